@@ -1,0 +1,40 @@
+# `make demo` and `make test` do all the set-up on a fresh machine (see README.md).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SAMPLE := data/sample/prepare_info.json
+
+.PHONY: setup data demo test test-unit lint clean
+
+setup: $(STAMP) $(SAMPLE)
+
+# torch==2.13.0 first: on CPU-only machines pip takes the CPU wheel already on disk; the project's own
+# requirement is a range, so GPU users keep their CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+# Quick when the sample data is already built (data.prepare checks its own fingerprint).
+$(SAMPLE): $(STAMP) data/prepare.py
+	$(PY) -m data.prepare
+	@touch $@
+
+data: $(STAMP)
+	$(PY) -m data.prepare
+
+demo: setup
+	$(PY) -m trainer.demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+lint: setup
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,438 @@
+"""Every setting of the trainer and the monitor, one dataclass per concern.
+
+These dataclasses are the single source of truth: their fields are the command-line flags, the keys of a JSON
+config, and (through the same parsing path) the fields of the web form. Each help string states its unit.
+Validation lives in ``__post_init__`` and names the flag to fix, so a bad value fails the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import HfArgumentParser
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message starts with the flag to fix and says what to do."""
+
+
+def _fail(flag: str, problem: str) -> None:
+    raise ConfigError(f"--{flag}: {problem}")
+
+
+def _require_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            _fail(name, f"must be a positive number (got {value!r})")
+
+
+def _require_non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            _fail(name, f"must be zero or a positive number (got {value!r})")
+
+
+def _check_multiaddrs(flag: str, maddrs: Sequence[str], need_peer_id: bool = False) -> None:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for maddr in maddrs:
+        try:
+            protocols = [protocol.name for protocol in Multiaddr(maddr).protocols()]
+        except Exception as e:
+            _fail(flag, f"{maddr!r} is not a multiaddr ({e}); expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+        if need_peer_id and "p2p" not in protocols:
+            _fail(flag, f"{maddr!r} has no /p2p/<peer id> part: copy the whole address the first peer logged")
+
+
+@dataclass
+class PeerArguments:
+    """How this process joins the DHT: the only rendezvous of the collaboration."""
+
+    experiment_prefix: str = field(
+        default="collab_demo",
+        metadata={"help": "Name of the experiment; every DHT key of the collaboration starts with it"},
+    )
+    initial_peers: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Multiaddrs of running peers to join (/ip4/HOST/tcp/PORT/p2p/PEER_ID), as the first peer or "
+            "the monitor logs them; empty: start a new collaboration"
+        },
+    )
+    host_maddrs: list[str] = field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        metadata={
+            "help": "Multiaddrs to listen on; the default listens on loopback only. Use /ip4/0.0.0.0/tcp/31337 to "
+            "accept peers from other machines (port 0: any free port)"
+        },
+    )
+    announce_maddrs: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Public multiaddrs to announce to other peers, e.g. behind NAT or a port forward"},
+    )
+    identity_path: str | None = field(
+        default=None,
+        metadata={"help": "File with this peer's private key, created if missing: keeps the peer ID stable"},
+    )
+    use_ipfs: bool = field(
+        default=False,
+        metadata={"help": "Bootstrap through the public IPFS DHT (then /p2p/PEER_ID alone finds a peer)"},
+    )
+    client_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Accept no incoming connections (firewalled or NAT'd peers); at least one peer of the "
+            "collaboration must not be a client"
+        },
+    )
+    bootstrap_timeout: float = field(
+        default=15.0,
+        metadata={"help": "Seconds to wait for the initial peers to answer before giving up with an error"},
+    )
+
+    def __post_init__(self) -> None:
+        if not self.experiment_prefix or not all(c.isalnum() or c in "_-." for c in self.experiment_prefix):
+            _fail("experiment_prefix", f"use letters, digits, '_', '-' or '.' (got {self.experiment_prefix!r})")
+        _check_multiaddrs("initial_peers", self.initial_peers, need_peer_id=not self.use_ipfs)
+        _check_multiaddrs("host_maddrs", self.host_maddrs)
+        _check_multiaddrs("announce_maddrs", self.announce_maddrs)
+        if not self.host_maddrs:
+            _fail("host_maddrs", "give at least one address to listen on, e.g. /ip4/127.0.0.1/tcp/0")
+        _require_positive(self, "bootstrap_timeout")
+
+
+@dataclass
+class OptimizerArguments:
+    """The collaboration's global step: when it happens and how gradients and state travel."""
+
+    target_batch_size: int = field(
+        default=256,
+        metadata={"help": "Samples the whole collaboration accumulates per optimizer step (one global epoch)"},
+    )
+    batch_size_lead: int = field(
+        default=0,
+        metadata={"help": "Start averaging this many samples before target_batch_size is reached (samples)"},
+    )
+    matchmaking_time: float = field(
+        default=3.0,
+        metadata={"help": "Seconds to wait for peers to form an averaging group (3-5 on a LAN, 10-15 online)"},
+    )
+    averaging_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds after which an averaging round is abandoned (about 2x the all-reduce time)"},
+    )
+    load_state_timeout: float = field(
+        default=120.0,
+        metadata={"help": "Seconds to wait for one attempt to download the state from a peer"},
+    )
+    bandwidth: float = field(
+        default=100.0,
+        metadata={"help": "This peer's network bandwidth in Mbit/s, used to balance all-reduce load"},
+    )
+    offload_optimizer: bool = field(
+        default=True,
+        metadata={"help": "Keep the optimizer and its state in host memory, not on the GPU"},
+    )
+    delay_optimizer_step: bool = field(
+        default=True,
+        metadata={"help": "Run the optimizer step in the background and apply it one step later (needs offload)"},
+    )
+    delay_grad_averaging: bool = field(
+        default=True,
+        metadata={"help": "Average gradients in the background (needs delay_optimizer_step)"},
+    )
+    average_state_every: int = field(
+        default=1,
+        metadata={"help": "Average parameters and optimizer statistics every this many global epochs"},
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "target_batch_size", "matchmaking_time", "averaging_timeout", "load_state_timeout")
+        _require_positive(self, "bandwidth", "average_state_every")
+        _require_non_negative(self, "batch_size_lead")
+        if self.batch_size_lead >= self.target_batch_size:
+            _fail(
+                "batch_size_lead",
+                f"must be smaller than --target_batch_size ({self.batch_size_lead} >= {self.target_batch_size})",
+            )
+        if self.delay_optimizer_step and not self.offload_optimizer:
+            _fail("delay_optimizer_step", "needs --offload_optimizer; turn it on or pass --delay_optimizer_step false")
+        if self.delay_grad_averaging and not self.delay_optimizer_step:
+            _fail(
+                "delay_grad_averaging", "needs --delay_optimizer_step; turn it on or pass --delay_grad_averaging false"
+            )
+
+
+@dataclass
+class AveragerArguments:
+    """All-reduce groups."""
+
+    target_group_size: int = field(
+        default=256, metadata={"help": "Largest number of peers in one all-reduce group (peers)"}
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "target_group_size")
+        if self.target_group_size < 2:
+            _fail("target_group_size", f"must be at least 2 peers (got {self.target_group_size})")
+
+
+@dataclass
+class ProgressTrackerArguments:
+    """How often a peer reads the collaboration's progress from the DHT."""
+
+    min_refresh_period: float = field(default=0.5, metadata={"help": "Shortest wait between progress reads (s)"})
+    max_refresh_period: float = field(default=10.0, metadata={"help": "Longest wait between progress reads (s)"})
+    default_refresh_period: float = field(
+        default=3.0, metadata={"help": "Wait between progress reads when nothing is known yet (s)"}
+    )
+    expected_drift_peers: float = field(
+        default=3.0, metadata={"help": "Peers expected to join or leave per step; shortens the refresh (peers)"}
+    )
+    expected_drift_rate: float = field(
+        default=0.2, metadata={"help": "Expected relative change of the swarm's throughput per step (fraction)"}
+    )
+    metadata_expiration: float = field(
+        default=60.0, metadata={"help": "Lifetime of this peer's progress record in the DHT (s)"}
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "min_refresh_period", "max_refresh_period", "default_refresh_period")
+        _require_positive(self, "metadata_expiration")
+        _require_non_negative(self, "expected_drift_peers", "expected_drift_rate")
+        if self.min_refresh_period > self.max_refresh_period:
+            _fail("min_refresh_period", f"must not exceed --max_refresh_period ({self.max_refresh_period})")
+
+
+@dataclass
+class CollaborationArguments:
+    """What a trainer shares with the others besides gradients."""
+
+    statistics_expiration: float = field(
+        default=600.0,
+        metadata={
+            "help": "Lifetime of this peer's published metrics in the DHT (s); the monitor counts a peer "
+            "alive until its record expires"
+        },
+    )
+    backup_every_steps: int = field(
+        default=10,
+        metadata={
+            "help": "Keep an in-memory copy of the model and optimizer every this many global epochs; "
+            "restored when parameters become NaN or infinite"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "statistics_expiration", "backup_every_steps")
+
+
+@dataclass
+class DatasetArguments:
+    """What to train: the model and the tokenized data."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Local folder or Hugging Face model name to start from (masked LM for BERT-like models, causal "
+            "LM for GPT-2-like); unset: a tiny BERT built from a config, no download"
+        },
+    )
+    dataset_path: str = field(
+        default="data/sample/tokenized",
+        metadata={"help": "Tokenized dataset saved with datasets.save_to_disk (build it with `make data`)"},
+    )
+    tokenizer_path: str = field(
+        default="data/sample/tokenizer",
+        metadata={"help": "Tokenizer folder, used when --model_name_or_path has none of its own"},
+    )
+
+
+@dataclass
+class TrainingArguments:
+    """The local training loop. Names follow transformers.TrainingArguments; only options the loop honours."""
+
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Samples per forward pass per device"})
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Forward passes accumulated before reporting progress to the optimizer"}
+    )
+    learning_rate: float = field(
+        default=0.2,
+        metadata={
+            "help": "Peak learning rate of Lamb (after warmup); the default suits the tiny model, use ~0.00176 "
+            "for BERT/ALBERT-size models with target_batch_size 4096"
+        },
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "Lamb beta1 (first-moment decay, fraction)"})
+    adam_beta2: float = field(default=0.999, metadata={"help": "Lamb beta2 (second-moment decay, fraction)"})
+    adam_epsilon: float = field(default=1e-6, metadata={"help": "Lamb epsilon (added to the denominator)"})
+    weight_decay: float = field(
+        default=0.01, metadata={"help": "Weight decay (fraction per step); never applied to biases and LayerNorms"}
+    )
+    clamp_value: float = field(default=10000.0, metadata={"help": "Lamb's clamp on the weight norm (trust ratio)"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip each mini-batch's gradient to this L2 norm"})
+    warmup_steps: int = field(
+        default=2, metadata={"help": "Global epochs of linear learning-rate warmup from 0 to learning_rate"}
+    )
+    total_steps: int = field(
+        default=1000, metadata={"help": "Global epoch at which the linear decay reaches 0 (shapes the schedule)"}
+    )
+    max_steps: int = field(
+        default=0,
+        metadata={"help": "Stop this peer (exit 0) once the global epoch reaches this; 0: run until stopped"},
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for model initialisation; data order is also keyed by peer"})
+    fp16: bool = field(
+        default=True,
+        metadata={"help": "Mixed precision (fp16 autocast + hivemind.GradScaler) on CUDA; CPUs train in fp32"},
+    )
+    dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches (processes)"})
+    output_dir: str = field(
+        default="outputs/peer",
+        metadata={"help": "Folder where this peer saves its model and tokenizer (save_pretrained) when it stops"},
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate")
+        _require_positive(self, "adam_epsilon", "clamp_value", "max_grad_norm", "total_steps")
+        _require_non_negative(self, "weight_decay", "warmup_steps", "max_steps", "dataloader_num_workers")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(name, f"must be in [0, 1) (got {getattr(self, name)})")
+        if self.warmup_steps > self.total_steps:
+            _fail("warmup_steps", f"must not exceed --total_steps ({self.warmup_steps} > {self.total_steps})")
+
+
+TRAINER_ARGUMENTS: tuple[type, ...] = (
+    PeerArguments,
+    OptimizerArguments,
+    AveragerArguments,
+    ProgressTrackerArguments,
+    CollaborationArguments,
+    DatasetArguments,
+    TrainingArguments,
+)
+
+
+class _OneLineParser(HfArgumentParser):
+    """argparse prints the whole usage before an error; we raise so the caller prints one line."""
+
+    def error(self, message: str) -> None:
+        raise ConfigError(message)
+
+
+def field_names(dataclass_types: Sequence[type]) -> dict[str, dataclasses.Field]:
+    return {f.name: f for dtype in dataclass_types for f in dataclasses.fields(dtype)}
+
+
+def config_to_argv(config: dict[str, Any], dataclass_types: Sequence[type], source: str = "config") -> list[str]:
+    """Turn a JSON config into flags, so a config file and the command line share one parsing path."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: expected a JSON object of settings, got {type(config).__name__}")
+    known = field_names(dataclass_types)
+    argv: list[str] = []
+    for key, value in config.items():
+        if key not in known:
+            raise ConfigError(f"--{key}: unknown setting in {source}; remove it or check the spelling (see --help)")
+        if value is None:
+            continue
+        if isinstance(value, list):
+            if not all(isinstance(item, (str, int, float)) for item in value):
+                raise ConfigError(f"--{key}: in {source}, expected a list of plain values, got {value!r}")
+            if value:
+                argv += [f"--{key}", *map(str, value)]
+            elif known[key].default_factory is not dataclasses.MISSING and known[key].default_factory():
+                raise ConfigError(f"--{key}: in {source}, give at least one value or leave the key out")
+        elif isinstance(value, dict):
+            raise ConfigError(f"--{key}: in {source}, expected a single value, got an object")
+        else:
+            argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
+def load_config(source: str, token: str | None = None) -> dict[str, Any]:
+    """Read a JSON config from a file or an http(s) URL (the web app's /api/experiments/{id}/config)."""
+    try:
+        if source.startswith(("http://", "https://")):
+            import requests
+
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            response = requests.get(source, headers=headers, timeout=30)
+            if response.status_code in (401, 403):
+                raise ConfigError(f"--config: {source} refused access ({response.status_code}); check --config_token")
+            response.raise_for_status()
+            return response.json()
+        return json.loads(Path(source).read_text())
+    except ConfigError:
+        raise
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {source!r}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config: {source} is not valid JSON ({e})") from None
+    except Exception as e:
+        raise ConfigError(f"--config: could not read {source} ({e})") from None
+
+
+def _split_config_flags(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """Take the config source (a leading *.json path or --config X) and --config_token out of argv."""
+    config, token, rest = None, None, []
+    items = iter(argv)
+    for item in items:
+        name, eq, inline = item.partition("=")
+        if name in ("--config", "--config_token"):
+            value = inline if eq else next(items, None)
+            if value is None:
+                raise ConfigError(f"{name}: expected a value")
+            config, token = (value, token) if name == "--config" else (config, value)
+        elif not rest and config is None and item.endswith(".json") and not item.startswith("-"):
+            config = item
+        else:
+            rest.append(item)
+    return config, token, rest
+
+
+def parse_args(dataclass_types: Sequence[type], argv: Sequence[str] | None = None, prog: str | None = None):
+    """Parse flags, a JSON config (a path or --config PATH_OR_URL) or both; flags given on the command line win.
+
+    Raises ConfigError with a one-line message naming the flag on any bad input.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _OneLineParser(dataclass_types, prog=prog)
+    parser.epilog = "A JSON config may be given first (config.json) or as --config PATH_OR_URL [--config_token T]."
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    config_source, token, rest = _split_config_flags(argv)
+    config_argv = (
+        config_to_argv(load_config(config_source, token), dataclass_types, config_source) if config_source else []
+    )
+    try:
+        return parser.parse_args_into_dataclasses(args=config_argv + rest)
+    except ConfigError:
+        raise
+    except ValueError as e:  # HfArgumentParser reports leftover (unknown) arguments this way
+        unknown = [item for item in rest if item.startswith("-")] or rest
+        raise ConfigError(f"{unknown[0]}: unknown flag; check the spelling (see --help)") from e
+
+
+def parse_args_or_exit(dataclass_types: Sequence[type], argv: Sequence[str] | None = None, prog: str = "") -> tuple:
+    """parse_args for entry points: a bad setting prints one line and exits 2, never a traceback."""
+    try:
+        return parse_args(dataclass_types, argv, prog=prog)
+    except ConfigError as e:
+        print(f"{prog or 'error'}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def to_config(*arguments: Any) -> dict[str, Any]:
+    """The JSON config equivalent to these dataclass instances (the inverse of parse_args)."""
+    return {key: value for args in arguments for key, value in dataclasses.asdict(args).items()}

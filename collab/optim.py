@@ -1,0 +1,165 @@
+"""The collaboration's optimizer, defined once: Lamb + parameter groups + linear warmup, wrapped by hivemind.
+
+The trainer wraps it in ``hivemind.Optimizer``; the monitor rebuilds exactly the same optimizer inside a
+``TrainingStateAverager`` to download the collaboration's state. Keep both on these builders.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import hivemind
+import torch
+from hivemind.compression import Float16Compression
+from hivemind.optim.state_averager import TrainingStateAverager
+from torch_optimizer import Lamb
+from transformers import get_linear_schedule_with_warmup
+
+from arguments import (
+    AveragerArguments,
+    OptimizerArguments,
+    PeerArguments,
+    ProgressTrackerArguments,
+    TrainingArguments,
+)
+
+logger = logging.getLogger(__name__)
+
+NORM_LAYER_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d)
+
+
+def _is_norm_layer(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return isinstance(module, NORM_LAYER_TYPES) or name.endswith(("LayerNorm", "RMSNorm"))
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed weights, and biases plus normalisation weights that are never decayed."""
+    no_decay = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            if param_name == "bias" or _is_norm_layer(module):
+                no_decay.add(f"{module_name}.{param_name}" if module_name else param_name)
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    return [
+        {"params": [p for n, p in named if n not in no_decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0},
+    ]
+
+
+def lamb_factory(training_args: TrainingArguments) -> Callable:
+    """``params -> Lamb``: hivemind builds the optimizer itself (needed for offloading)."""
+
+    def make_lamb(params):
+        return Lamb(
+            params,
+            lr=training_args.learning_rate,
+            betas=(training_args.adam_beta1, training_args.adam_beta2),
+            eps=training_args.adam_epsilon,
+            weight_decay=training_args.weight_decay,
+            clamp_value=training_args.clamp_value,
+            debias=True,
+        )
+
+    return make_lamb
+
+
+def scheduler_factory(training_args: TrainingArguments) -> Callable:
+    """``optimizer -> LambdaLR``: linear warmup to learning_rate, then linear decay to 0 at total_steps.
+
+    hivemind steps it once per global epoch, so both counts are global epochs.
+    """
+
+    def make_scheduler(optimizer):
+        return get_linear_schedule_with_warmup(
+            optimizer, num_warmup_steps=training_args.warmup_steps, num_training_steps=training_args.total_steps
+        )
+
+    return make_scheduler
+
+
+def local_batch_size(training_args: TrainingArguments) -> int:
+    """Samples this peer adds per ``optimizer.step()``: per-device batch x accumulation x number of GPUs."""
+    devices = max(1, torch.cuda.device_count())
+    return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * devices
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    dht: hivemind.DHT,
+    peer_args: PeerArguments,
+    optimizer_args: OptimizerArguments,
+    averager_args: AveragerArguments,
+    tracker_args: ProgressTrackerArguments,
+    training_args: TrainingArguments,
+    tracker_private_key=None,
+) -> hivemind.Optimizer:
+    """hivemind.Optimizer over Lamb: accumulate to the collaboration's target batch, average fp16 gradients, step.
+
+    ``tracker_private_key`` gives the progress tracker its own RSA key, only needed when several peers share one
+    process (tests); a real peer has one key per process.
+    """
+    tracker_opts = {
+        "min_refresh_period": tracker_args.min_refresh_period,
+        "max_refresh_period": tracker_args.max_refresh_period,
+        "default_refresh_period": tracker_args.default_refresh_period,
+        "expected_drift_peers": tracker_args.expected_drift_peers,
+        "expected_drift_rate": tracker_args.expected_drift_rate,
+        "metadata_expiration": tracker_args.metadata_expiration,
+    }
+    if tracker_private_key is not None:
+        tracker_opts["private_key"] = tracker_private_key
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=peer_args.experiment_prefix,
+        target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
+        batch_size_per_step=local_batch_size(training_args),
+        optimizer=lamb_factory(training_args),
+        params=parameter_groups(model, training_args.weight_decay),
+        scheduler=scheduler_factory(training_args),
+        matchmaking_time=optimizer_args.matchmaking_time,
+        averaging_timeout=optimizer_args.averaging_timeout,
+        load_state_timeout=optimizer_args.load_state_timeout,
+        offload_optimizer=optimizer_args.offload_optimizer,
+        delay_optimizer_step=optimizer_args.delay_optimizer_step,
+        delay_grad_averaging=optimizer_args.delay_grad_averaging,
+        average_state_every=optimizer_args.average_state_every,
+        client_mode=peer_args.client_mode,
+        grad_compression=Float16Compression(),
+        state_averaging_compression=Float16Compression(),
+        load_state_compression=Float16Compression(),
+        averager_opts={"bandwidth": optimizer_args.bandwidth, "target_group_size": averager_args.target_group_size},
+        tracker_opts=tracker_opts,
+        verbose=True,
+    )
+
+
+def build_state_averager(
+    model: torch.nn.Module,
+    dht: hivemind.DHT,
+    peer_args: PeerArguments,
+    optimizer_args: OptimizerArguments,
+    averager_args: AveragerArguments,
+    training_args: TrainingArguments,
+) -> TrainingStateAverager:
+    """The same optimizer as ``build_optimizer``'s, in a TrainingStateAverager that only downloads state.
+
+    It shares the trainers' ``{experiment_prefix}_state_averager`` key, never joins averaging rounds and never
+    serves its (possibly stale) copy to newcomers.
+    """
+    return TrainingStateAverager(
+        dht=dht,
+        prefix=f"{peer_args.experiment_prefix}_state_averager",
+        optimizer=lamb_factory(training_args),
+        params=parameter_groups(model, training_args.weight_decay),
+        scheduler=scheduler_factory(training_args),
+        offload_optimizer=optimizer_args.offload_optimizer,
+        custom_gradients=optimizer_args.offload_optimizer,
+        compression=Float16Compression(),
+        state_compression=Float16Compression(),
+        bandwidth=optimizer_args.bandwidth,
+        target_group_size=averager_args.target_group_size,
+        allow_state_sharing=False,
+        start=True,
+    )

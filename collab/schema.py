@@ -1,0 +1,69 @@
+"""The LocalMetrics record every trainer publishes once per global epoch, and the validators that guard it.
+
+Key ``{experiment_prefix}_metrics``, subkey = the publishing peer's RSA public key, so only that peer can
+overwrite its own record (RSASignatureValidator); SchemaValidator rejects any value that is not a strict
+LocalMetrics: non-negative, finite, the right types, no extra fields.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic.v1 import BaseModel, confloat, conint
+
+logger = logging.getLogger(__name__)
+
+
+class LocalMetrics(BaseModel):
+    """One peer's progress over its last global epoch. ``loss`` is the sum over ``mini_steps`` mini-batches."""
+
+    step: conint(ge=0, strict=True)
+    samples_per_second: confloat(ge=0.0, strict=True, allow_inf_nan=False)
+    samples_accumulated: conint(ge=0, strict=True)
+    loss: confloat(ge=0.0, strict=True, allow_inf_nan=False)
+    mini_steps: conint(ge=0, strict=True)
+
+    class Config:
+        extra = "forbid"
+
+
+class MetricSchema(BaseModel):
+    metrics: dict[BytesWithPublicKey, LocalMetrics]
+
+
+def metrics_key(experiment_prefix: str) -> str:
+    """The DHT key under which every peer of the experiment publishes its LocalMetrics."""
+    return f"{experiment_prefix}_metrics"
+
+
+def make_validators(
+    experiment_prefix: str, private_key: RSAPrivateKey | None = None
+) -> tuple[list[RecordValidatorBase], bytes]:
+    """Validators for the experiment's records and this process's public key (the subkey it signs with)."""
+    signature_validator = RSASignatureValidator(private_key)
+    validators = [SchemaValidator(MetricSchema, prefix=experiment_prefix), signature_validator]
+    return validators, signature_validator.local_public_key
+
+
+def read_metrics(dht, experiment_prefix: str) -> dict[bytes, tuple[dict, float]]:
+    """Raw metric records currently in the DHT: {peer public key: (value, expiration_time)}.
+
+    Values are returned as stored; callers validate them (see ``parse_metrics``) because a record may have been
+    written by an older or foreign client that the local validators did not see.
+    """
+    found = dht.get(metrics_key(experiment_prefix), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {subkey: (entry.value, entry.expiration_time) for subkey, entry in found.value.items()}
+
+
+def parse_metrics(value) -> LocalMetrics | None:
+    """A LocalMetrics if ``value`` is a valid record, else None (malformed records are ignored, never raised)."""
+    try:
+        return LocalMetrics.parse_obj(value)
+    except Exception:
+        return None

@@ -1,0 +1,1 @@
+"""Data preparation for the collaborative training client."""

@@ -1,0 +1,1 @@
+"""The training monitor: aggregate the swarm's metrics, report them, keep checkpoints."""

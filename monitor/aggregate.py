@@ -1,0 +1,69 @@
+"""The collaboration's state at a glance, as a pure function of the peers' metric records and the time."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from collab.schema import LocalMetrics, parse_metrics
+
+
+@dataclass(frozen=True)
+class SwarmMetrics:
+    """One line of the monitor's report; ``loss`` is None when no peer has reported a mini-step yet."""
+
+    step: int
+    loss: float | None
+    alive_peers: int
+    samples: int
+    samples_per_second: float
+    time: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def live_metrics(records: Mapping[Any, tuple[Any, float]], now: float) -> dict[Any, LocalMetrics]:
+    """Valid, unexpired records by peer; malformed, non-finite or expired ones are dropped, never raised."""
+    alive = {}
+    for peer, record in records.items():
+        try:
+            value, expiration_time = record
+            if not expiration_time > now:
+                continue
+        except (TypeError, ValueError):
+            continue
+        metrics = parse_metrics(value)
+        if metrics is not None:
+            alive[peer] = metrics
+    return alive
+
+
+def aggregate(records: Mapping[Any, tuple[Any, float]], now: float) -> SwarmMetrics | None:
+    """Σ loss / Σ mini_steps, alive peers, samples and samples/s over live records; None when there are none.
+
+    ``records`` maps each peer (its public key) to ``(value, expiration_time)``, as ``collab.schema.read_metrics``
+    returns them, so one peer is counted once however many times it published.
+    """
+    alive = live_metrics(records, now)
+    if not alive:
+        return None
+    mini_steps = sum(m.mini_steps for m in alive.values())
+    return SwarmMetrics(
+        step=max(m.step for m in alive.values()),
+        loss=sum(m.loss for m in alive.values()) / mini_steps if mini_steps else None,
+        alive_peers=len(alive),
+        samples=sum(m.samples_accumulated for m in alive.values()),
+        samples_per_second=sum(m.samples_per_second for m in alive.values()),
+        time=now,
+    )
+
+
+def format_line(metrics: SwarmMetrics) -> str:
+    """``step 12  loss 3.412  peers 3  samples 1024  samples/s 88.1``: one line per new global step."""
+    loss = "n/a" if metrics.loss is None else f"{metrics.loss:.3f}"
+    return (
+        f"step {metrics.step}  loss {loss}  peers {metrics.alive_peers}  samples {metrics.samples}  "
+        f"samples/s {metrics.samples_per_second:.1f}"
+    )

@@ -1,0 +1,1 @@
+"""The local side of a peer: model and tokenizer, data, and the training loop."""

@@ -1,0 +1,71 @@
+"""Run trainer peers as real processes on this machine: used by `make demo` and the integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
+AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
+
+
+class PeerProcess:
+    """One ``run_trainer.py`` process whose output goes to a log file."""
+
+    def __init__(self, argv: Sequence[str], log_path: Path, env: dict | None = None):
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "run_trainer.py"), *argv],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the demo, which stops peers itself
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def join_flags(self, timeout: float) -> list[str]:
+        """The ``--initial_peers ...`` flags this peer logged, waiting at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = JOIN_LINE.search(self.log())
+            if match:
+                return match.group(1).split()
+            if self.process.poll() is not None:
+                raise RuntimeError(f"peer exited with code {self.process.returncode}; see {self.log_path}")
+            time.sleep(0.2)
+        raise TimeoutError(f"peer logged no --initial_peers line within {timeout:.0f} s; see {self.log_path}")
+
+    def averaging_group_sizes(self) -> list[int]:
+        """Group size of every successful gradient-averaging round, from hivemind's own log lines."""
+        return [int(size) for size in AVERAGED.findall(self.log())]
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            if self.process.returncode is not None:
+                self._log.close()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (clean shutdown), then SIGKILL if it is still running after ``timeout`` seconds."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self._log.close()
+        return self.process.returncode

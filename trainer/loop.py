@@ -1,0 +1,113 @@
+"""The local training loop: forward, backward, clip, optimizer.step, metrics. One readable story."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import hivemind
+import torch
+from tqdm.auto import tqdm
+
+from arguments import TrainingArguments
+from collab.callback import CollaborativeCallback, EpochReport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingSummary:
+    """What this peer did, for the closing log line and the demo."""
+
+    start_epoch: int
+    end_epoch: int = 0
+    reports: list[EpochReport] = field(default_factory=list)
+    skipped_batches: int = 0
+    rollbacks: int = 0
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.reports[0].loss if self.reports else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.reports[-1].loss if self.reports else None
+
+
+def format_report(report: EpochReport, peers: int) -> str:
+    """The one line per global epoch that people read: ``epoch 12 | loss 3.412 | 88.1 samples/s | 3 peers``."""
+    return f"epoch {report.epoch} | loss {report.loss:.4f} | {report.samples_per_second:.1f} samples/s | {peers} peers"
+
+
+def amp_context(device: torch.device, enabled: bool):
+    return torch.autocast(device_type=device.type, dtype=torch.float16) if enabled else contextlib.nullcontext()
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: hivemind.Optimizer,
+    callback: CollaborativeCallback,
+    batches: Iterator[dict[str, torch.Tensor]],
+    training_args: TrainingArguments,
+    device: torch.device,
+    stop: threading.Event,
+) -> TrainingSummary:
+    """Train until ``stop`` is set or the global epoch reaches ``max_steps``.
+
+    Mini-batches with a non-finite loss or gradient are dropped before they reach the optimizer, so one bad batch
+    never enters an averaging round. With fp16 on CUDA each mini-batch is unscaled before clipping (plain PyTorch
+    AMP: hivemind's GradScaler is only needed with reuse_grad_buffers, which we do not use).
+    """
+    use_amp = training_args.fp16 and device.type == "cuda"
+    scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
+    accumulation = training_args.gradient_accumulation_steps
+    summary = TrainingSummary(start_epoch=optimizer.local_epoch)
+    model.train()
+    bar = tqdm(
+        total=optimizer.target_batch_size, unit="samples", desc="global batch", disable=None, dynamic_ncols=True
+    )
+    try:
+        while not stop.is_set() and not reached_max_steps(optimizer.local_epoch, training_args.max_steps):
+            loss_value = 0.0
+            for _ in range(accumulation):
+                batch = {name: tensor.to(device, non_blocking=True) for name, tensor in next(batches).items()}
+                with amp_context(device, use_amp):
+                    loss = model(**batch).loss / accumulation
+                scaler.scale(loss).backward()
+                loss_value += loss.item()
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
+            if not (math.isfinite(loss_value) and torch.isfinite(grad_norm)):
+                summary.skipped_batches += 1
+                logger.warning("Dropping a mini-batch with non-finite loss or gradients (loss %s)", loss_value)
+                scaler.update()
+                optimizer.zero_grad()
+                continue
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+            report = callback.on_step_end(loss_value, optimizer.batch_size_per_step)
+            progress = optimizer.tracker.global_progress
+            if report is not None:
+                summary.reports.append(report)
+                bar.reset(total=optimizer.target_batch_size)
+                logger.info(format_report(report, progress.num_peers))
+            bar.n = min(progress.samples_accumulated, optimizer.target_batch_size)
+            bar.set_postfix(
+                epoch=optimizer.local_epoch, loss=f"{loss_value:.3f}", peers=progress.num_peers, refresh=False
+            )
+            bar.refresh()
+    finally:
+        bar.close()
+    summary.end_epoch = optimizer.local_epoch
+    summary.rollbacks = callback.rollbacks
+    return summary
+
+
+def reached_max_steps(epoch: int, max_steps: int) -> bool:
+    return max_steps > 0 and epoch >= max_steps

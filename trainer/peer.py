@@ -1,0 +1,136 @@
+"""One volunteer peer from start to finish: build everything from the arguments, train, shut down cleanly."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+
+import torch
+
+from arguments import (
+    AveragerArguments,
+    CollaborationArguments,
+    DatasetArguments,
+    OptimizerArguments,
+    PeerArguments,
+    ProgressTrackerArguments,
+    TrainingArguments,
+)
+from collab.callback import CollaborativeCallback
+from collab.dht import start_dht
+from collab.optim import build_optimizer
+from collab.schema import make_validators
+from collab.storage import atomic_directory
+from trainer.data import batch_stream, load_train_split, make_collator, peer_data_seed
+from trainer.loop import TrainingSummary, train
+from trainer.model import build_model, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_DEADLINE = 25.0  # seconds between the first SIGINT/SIGTERM and a forced exit
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """First SIGINT/SIGTERM: finish the current step and shut down cleanly; a second one interrupts at once.
+
+    A watchdog forces the exit if the clean shutdown takes longer than SHUTDOWN_DEADLINE seconds.
+    """
+
+    def force_exit() -> None:
+        logger.warning("Clean shutdown took over %.0f s: exiting now", SHUTDOWN_DEADLINE)
+        for child in mp.active_children():
+            child.kill()
+        os._exit(0)
+
+    def on_signal(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        logger.info("Received %s: finishing the current step, then shutting down", signal.Signals(signum).name)
+        stop.set()
+        watchdog = threading.Timer(SHUTDOWN_DEADLINE, force_exit)
+        watchdog.daemon = True
+        watchdog.start()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def training_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_peer(
+    peer_args: PeerArguments,
+    optimizer_args: OptimizerArguments,
+    averager_args: AveragerArguments,
+    tracker_args: ProgressTrackerArguments,
+    collaboration_args: CollaborationArguments,
+    dataset_args: DatasetArguments,
+    training_args: TrainingArguments,
+    stop: threading.Event,
+) -> TrainingSummary:
+    """Join the collaboration, train until stopped or max_steps, save the model to output_dir, leave cleanly."""
+    device = training_device()
+    if training_args.fp16 and device.type != "cuda":
+        logger.info("fp16 needs CUDA: training in fp32 on %s", device.type)
+    tokenizer = load_tokenizer(dataset_args)
+    model, task = build_model(dataset_args, tokenizer, training_args.seed)
+    model.to(device)
+    dataset = load_train_split(dataset_args.dataset_path)
+    logger.info(
+        "Model %s (%s, %.2fM parameters); %d training blocks from %s",
+        type(model).__name__,
+        task,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        len(dataset),
+        dataset_args.dataset_path,
+    )
+
+    validators, public_key = make_validators(peer_args.experiment_prefix)
+    dht = start_dht(peer_args, validators)
+    optimizer = None
+    try:
+        optimizer = build_optimizer(model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args)
+        callback = CollaborativeCallback(
+            dht,
+            optimizer,
+            model,
+            public_key,
+            peer_args.experiment_prefix,
+            collaboration_args.statistics_expiration,
+            collaboration_args.backup_every_steps,
+        )
+        callback.on_train_begin()
+        batches = batch_stream(
+            dataset,
+            make_collator(tokenizer, task),
+            training_args.per_device_train_batch_size,
+            peer_data_seed(training_args.seed, public_key),
+            task,
+            training_args.dataloader_num_workers,
+        )
+        summary = train(model, optimizer, callback, batches, training_args, device, stop)
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+    with atomic_directory(training_args.output_dir) as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    logger.info(
+        "Stopped at global epoch %d (started at %d); loss %s -> %s; model saved to %s",
+        summary.end_epoch,
+        summary.start_epoch,
+        _fmt(summary.first_loss),
+        _fmt(summary.last_loss),
+        training_args.output_dir,
+    )
+    return summary
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
