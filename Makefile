@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/prepare_info.json
 
-.PHONY: setup data demo test test-unit lint clean
+.PHONY: setup data demo test test-unit lint clean browser bench
 
 setup: $(STAMP) $(SAMPLE)
 
@@ -27,8 +27,14 @@ data: $(STAMP)
 demo: setup
 	$(PY) -m trainer.demo
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The browser tests drive Debian's Chromium through Playwright (never `playwright install`, which downloads one).
+browser:
+	@test -x /usr/bin/chromium || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "make: chromium is missing and this is not root: the browser tests will be skipped (apt-get install chromium)"; fi; }
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

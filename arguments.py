@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,11 +21,18 @@ from transformers import HfArgumentParser
 
 
 class ConfigError(ValueError):
-    """A bad setting: the message starts with the flag to fix and says what to do."""
+    """A bad setting: the message starts with the flag to fix and says what to do; ``field`` names it (or None)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        if field is None:
+            match = re.match(r"(?:argument )?--(\w+)", message)
+            field = match.group(1) if match else None
+        self.field = field
 
 
 def _fail(flag: str, problem: str) -> None:
-    raise ConfigError(f"--{flag}: {problem}")
+    raise ConfigError(f"--{flag}: {problem}", field=flag)
 
 
 def _require_positive(obj: Any, *names: str) -> None:
@@ -232,6 +240,14 @@ class CollaborationArguments:
         },
     )
 
+    resume_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "Checkpoint folder saved by the monitor (<repo_path>/<step>) to start from when no peer is "
+            "online to download the state from; ignored when peers have a newer state"
+        },
+    )
+
     def __post_init__(self) -> None:
         _require_positive(self, "statistics_expiration", "backup_every_steps")
 
@@ -312,6 +328,77 @@ class TrainingArguments:
             _fail("warmup_steps", f"must not exceed --total_steps ({self.warmup_steps} > {self.total_steps})")
 
 
+@dataclass
+class MonitorArguments:
+    """The monitor: how it reports the collaboration's metrics and keeps its checkpoints."""
+
+    refresh_period: float = field(
+        default=10.0, metadata={"help": "Seconds between two reads of the peers' metrics from the DHT"}
+    )
+    metrics_path: str | None = field(
+        default=None,
+        metadata={"help": "JSON-lines file that gets one object per new global step (step, loss, alive_peers, ...)"},
+    )
+    wandb_project: str | None = field(
+        default=None,
+        metadata={"help": "Weights & Biases project to log the metrics to; unset: wandb is not used"},
+    )
+    wandb_run_name: str | None = field(
+        default=None, metadata={"help": "Weights & Biases run name; unset: the experiment_prefix"}
+    )
+    report_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Web app endpoint that receives every aggregated step "
+            "(http://HOST:8000/api/experiments/ID/metrics); unset: not reported"
+        },
+    )
+    store_checkpoints: bool = field(
+        default=False,
+        metadata={"help": "Download the collaboration's state from peers and save checkpoints under repo_path"},
+    )
+    save_checkpoint_step_interval: int = field(
+        default=5, metadata={"help": "Save a checkpoint every this many global epochs (global epochs)"}
+    )
+    repo_path: str = field(
+        default="checkpoints", metadata={"help": "Folder that holds one sub-folder per saved global epoch"}
+    )
+    keep_checkpoints: int = field(
+        default=3, metadata={"help": "Number of most recent checkpoints kept on disk (checkpoints)"}
+    )
+    upload_interval: float | None = field(
+        default=None,
+        metadata={"help": "Seconds between uploads of the latest checkpoint to upload_to; unset: never upload"},
+    )
+    upload_to: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where uploads go: a local folder, an http(s):// URL of the web app's checkpoint endpoint, "
+            "or hf://owner/repo on the Hugging Face Hub"
+        },
+    )
+    web_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "Bearer token for report_url and http(s) uploads (the experiment token the web app shows); "
+            "unset: --config_token"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "refresh_period", "save_checkpoint_step_interval", "keep_checkpoints")
+        if self.upload_interval is not None:
+            _require_positive(self, "upload_interval")
+            if not self.upload_to:
+                _fail("upload_interval", "needs --upload_to (a folder, an http(s):// URL or hf://owner/repo)")
+            if not self.store_checkpoints:
+                _fail("upload_interval", "needs --store_checkpoints: only saved checkpoints are uploaded")
+        if self.report_url is not None and not self.report_url.startswith(("http://", "https://")):
+            _fail("report_url", f"must be an http(s):// URL (got {self.report_url!r})")
+        if self.upload_to and self.upload_to.startswith("hf://") and self.upload_to.count("/") != 3:
+            _fail("upload_to", f"write a Hub repository as hf://owner/repo (got {self.upload_to!r})")
+
+
 TRAINER_ARGUMENTS: tuple[type, ...] = (
     PeerArguments,
     OptimizerArguments,
@@ -321,13 +408,26 @@ TRAINER_ARGUMENTS: tuple[type, ...] = (
     DatasetArguments,
     TrainingArguments,
 )
+MONITOR_ARGUMENTS: tuple[type, ...] = (
+    PeerArguments,
+    OptimizerArguments,
+    AveragerArguments,
+    DatasetArguments,
+    TrainingArguments,
+    MonitorArguments,
+)
+# Settings that are credentials: never shown in the web form nor stored in an experiment's config.
+SECRET_SETTINGS = frozenset({"web_token"})
+# One experiment config (a JSON file or the web app's) holds the settings of both programs; each takes its own.
+EXPERIMENT_ARGUMENTS: tuple[type, ...] = tuple(dict.fromkeys(TRAINER_ARGUMENTS + MONITOR_ARGUMENTS))
 
 
 class _OneLineParser(HfArgumentParser):
     """argparse prints the whole usage before an error; we raise so the caller prints one line."""
 
     def error(self, message: str) -> None:
-        raise ConfigError(message)
+        # "argument --x_y/--x-y: invalid int value: 'a'" -> "--x_y: invalid int value: 'a'"
+        raise ConfigError(re.sub(r"^argument (--\w+)(?:/--[\w-]+)*", r"\1", message))
 
 
 def field_names(dataclass_types: Sequence[type]) -> dict[str, dataclasses.Field]:
@@ -339,9 +439,12 @@ def config_to_argv(config: dict[str, Any], dataclass_types: Sequence[type], sour
     if not isinstance(config, dict):
         raise ConfigError(f"{source}: expected a JSON object of settings, got {type(config).__name__}")
     known = field_names(dataclass_types)
+    experiment_wide = field_names(EXPERIMENT_ARGUMENTS)
     argv: list[str] = []
     for key, value in config.items():
         if key not in known:
+            if key in experiment_wide:
+                continue  # a setting of the other program (trainer or monitor) in a shared experiment config
             raise ConfigError(f"--{key}: unknown setting in {source}; remove it or check the spelling (see --help)")
         if value is None:
             continue
@@ -431,6 +534,14 @@ def parse_args_or_exit(dataclass_types: Sequence[type], argv: Sequence[str] | No
     except ConfigError as e:
         print(f"{prog or 'error'}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def validate_config(config: dict[str, Any], dataclass_types: Sequence[type] = EXPERIMENT_ARGUMENTS) -> tuple:
+    """The dataclass instances for a config dict, through the same path as the command line (the web form uses it).
+
+    Raises ConfigError whose ``field`` names the setting to fix.
+    """
+    return parse_args(dataclass_types, config_to_argv(config, dataclass_types))
 
 
 def to_config(*arguments: Any) -> dict[str, Any]:
