@@ -1,0 +1,40 @@
+"""Web form and live dashboard for experiments: configure once, paste the join commands, watch the loss fall.
+
+python run_web.py --port 8000 --db experiments.sqlite --admin_token "$TOKEN"    # then open http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Sequence
+
+logger = logging.getLogger("run_web")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from web.settings import SettingsError, parse_web_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = parse_web_args(argv)
+    except SettingsError as e:
+        print(f"run_web.py: error: {e}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from web.app import create_app
+    from web.forms import validated_config
+
+    app = create_app(settings)
+    # The first validation imports hivemind (seconds): do it now so the first Save is quick.
+    threading.Thread(target=validated_config, args=({},), daemon=True, name="warm-up").start()
+    logger.info("Open http://%s:%d (peers reach it as %s)", settings.host, settings.port, settings.base_url)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", proxy_headers=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""HTML pages: sign-in, the experiment form (new, edit, clone) and the experiment page with its live dashboard.
+
+The form posts to the same validation as the API and the command line; on an error the form comes back with the
+user's input and the message beside the field it names (status 422).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from arguments import ConfigError
+from web.auth import SESSION_COOKIE, SESSION_MAX_AGE, is_admin, same, session_value
+from web.forms import config_from_form, display_values, form_sections, validated_config
+from web.store import Experiment, Store
+
+router = APIRouter(include_in_schema=False)
+SECTIONS = form_sections()
+MAX_NAME_CHARS = 200
+
+
+def join_commands(base_url: str, experiment_id: int, token: str) -> dict[str, str]:
+    """The commands the experiment page shows, ready to paste: peers, the monitor, the monitor with uploads."""
+    api = f"{base_url}/api/experiments/{experiment_id}"
+    common = f"--config {shlex.quote(api + '/config')} --config_token {shlex.quote(token)}"
+    monitor = f"python run_training_monitor.py {common} --report_url {shlex.quote(api + '/metrics')}"
+    return {
+        "trainer": f"python run_trainer.py {common}",
+        "monitor": monitor,
+        "monitor_with_uploads": f"{monitor} --store_checkpoints --upload_interval 60 "
+        f"--upload_to {shlex.quote(api + '/checkpoints')}",
+    }
+
+
+def _store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def _render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    context.setdefault("admin", is_admin(request))
+    return request.app.state.templates.TemplateResponse(request, name, context, status_code=status_code)
+
+
+def _login_redirect(request: Request) -> RedirectResponse:
+    return RedirectResponse(f"/login?next={request.url.path}", 303)
+
+
+def _experiment_or_404(request: Request, experiment_id: int) -> Experiment:
+    experiment = _store(request).experiment(experiment_id)
+    if experiment is None:
+        raise HTTPException(404, f"no experiment {experiment_id}")
+    return experiment
+
+
+def _safe_next(target: str | None) -> str:
+    """Only same-site paths: never redirect a signed-in admin to another site."""
+    return target if target and target.startswith("/") and not target.startswith(("//", "/\\")) else "/"
+
+
+@router.get("/", response_class=HTMLResponse)
+def index(request: Request) -> HTMLResponse:
+    return _render(request, "index.html", experiments=_store(request).experiments())
+
+
+@router.get("/login", response_class=HTMLResponse)
+def login_page(request: Request, next: str = "/") -> HTMLResponse:
+    return _render(request, "login.html", next=_safe_next(next), error=None)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = await request.form()
+    target = _safe_next(str(form.get("next", "/")))
+    admin_token = request.app.state.settings.admin_token
+    if not same(str(form.get("token", "")), admin_token):
+        return _render(request, "login.html", 403, next=target, error="Wrong admin token.")
+    response = RedirectResponse(target, 303)
+    response.set_cookie(
+        SESSION_COOKIE,
+        session_value(admin_token),
+        max_age=SESSION_MAX_AGE,
+        httponly=True,
+        samesite="strict",
+        secure=request.app.state.settings.base_url.startswith("https://"),
+    )
+    return response
+
+
+@router.post("/logout")
+def logout() -> Response:
+    response = RedirectResponse("/", 303)
+    response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
+    return response
+
+
+def _form_page(request: Request, *, title: str, action: str, name: str, config: dict, errors=None, status=200):
+    return _render(
+        request,
+        "form.html",
+        status,
+        title=title,
+        action=action,
+        name=name,
+        sections=SECTIONS,
+        values=display_values(config, SECTIONS),
+        errors=errors or {},
+    )
+
+
+async def _submitted(request: Request) -> tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, str]]:
+    """(name, config as typed, validated config or None, errors by field; "" is the whole form)."""
+    form = await request.form()
+    values = {key: value for key, value in form.items() if isinstance(value, str)}
+    name = values.get("name", "").strip()
+    config = config_from_form(values, SECTIONS)
+    errors: dict[str, str] = {}
+    if not name or len(name) > MAX_NAME_CHARS:
+        errors["name"] = f"Give the experiment a name (1 to {MAX_NAME_CHARS} characters)."
+    try:
+        stored = validated_config(config)
+    except ConfigError as e:
+        stored = None
+        errors[e.field if e.field in config else ""] = str(e)
+    return name, config, (None if errors else stored), errors
+
+
+@router.get("/experiments/new", response_class=HTMLResponse)
+def new_form(request: Request) -> Response:
+    if not is_admin(request):
+        return _login_redirect(request)
+    return _form_page(request, title="New experiment", action="/experiments/new", name="", config={})
+
+
+@router.post("/experiments/new")
+async def create(request: Request) -> Response:
+    if not is_admin(request):
+        raise HTTPException(403, "sign in as the admin first")
+    name, config, stored, errors = await _submitted(request)
+    if stored is None:
+        return _form_page(
+            request,
+            title="New experiment",
+            action="/experiments/new",
+            name=name,
+            config=config,
+            errors=errors,
+            status=422,
+        )
+    experiment = _store(request).create_experiment(name, stored)
+    return RedirectResponse(f"/experiments/{experiment.id}", 303)
+
+
+@router.get("/experiments/{experiment_id}/edit", response_class=HTMLResponse)
+def edit_form(experiment_id: int, request: Request) -> Response:
+    if not is_admin(request):
+        return _login_redirect(request)
+    experiment = _experiment_or_404(request, experiment_id)
+    title = f"Edit experiment {experiment_id} (saving makes version {experiment.version + 1})"
+    return _form_page(
+        request,
+        title=title,
+        action=f"/experiments/{experiment_id}/edit",
+        name=experiment.name,
+        config=experiment.config,
+    )
+
+
+@router.post("/experiments/{experiment_id}/edit")
+async def edit(experiment_id: int, request: Request) -> Response:
+    if not is_admin(request):
+        raise HTTPException(403, "sign in as the admin first")
+    experiment = _experiment_or_404(request, experiment_id)
+    name, config, stored, errors = await _submitted(request)
+    if stored is None:
+        title = f"Edit experiment {experiment_id} (saving makes version {experiment.version + 1})"
+        return _form_page(
+            request,
+            title=title,
+            action=f"/experiments/{experiment_id}/edit",
+            name=name,
+            config=config,
+            errors=errors,
+            status=422,
+        )
+    _store(request).save_version(experiment_id, name, stored)
+    return RedirectResponse(f"/experiments/{experiment_id}", 303)
+
+
+@router.get("/experiments/{experiment_id}/clone", response_class=HTMLResponse)
+def clone_form(experiment_id: int, request: Request) -> Response:
+    if not is_admin(request):
+        return _login_redirect(request)
+    experiment = _experiment_or_404(request, experiment_id)
+    return _form_page(
+        request,
+        title=f"Clone experiment {experiment_id}",
+        action="/experiments/new",
+        name=f"{experiment.name} (copy)",
+        config=experiment.config,
+    )
+
+
+@router.post("/experiments/{experiment_id}/token")
+def rotate(experiment_id: int, request: Request) -> Response:
+    if not is_admin(request):
+        raise HTTPException(403, "sign in as the admin first")
+    _experiment_or_404(request, experiment_id)
+    _store(request).rotate_token(experiment_id)
+    return RedirectResponse(f"/experiments/{experiment_id}", 303)
+
+
+@router.get("/experiments/{experiment_id}", response_class=HTMLResponse)
+def experiment_page(experiment_id: int, request: Request) -> HTMLResponse:
+    """The dashboard (anyone) plus, for the admin, the token, the join commands and the edit/clone buttons."""
+    experiment = _experiment_or_404(request, experiment_id)
+    admin = is_admin(request)
+    base_url = request.app.state.settings.base_url
+    return _render(
+        request,
+        "experiment.html",
+        experiment=experiment,
+        admin=admin,
+        commands=join_commands(base_url, experiment.id, experiment.token) if admin else None,
+        versions=_store(request).versions(experiment.id) if admin else [],
+        max_steps=int(experiment.config.get("max_steps") or 0),
+    )

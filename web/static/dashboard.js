@@ -1,0 +1,185 @@
+// Live dashboard of one experiment: polls the metrics and checkpoints API and draws SVG charts (no library, no
+// network beyond this app). Data is only ever inserted with textContent / setAttribute, never as HTML.
+"use strict";
+(function () {
+  const root = document.getElementById("dashboard");
+  if (!root) return;
+  const id = root.dataset.experiment;
+  const maxSteps = Number(root.dataset.maxSteps) || 0;
+  const admin = root.dataset.admin === "true";
+  const POLL_MS = 2000;
+  const SVG = "http://www.w3.org/2000/svg";
+  const EVALS = ["eval_loss", "eval_perplexity", "eval_accuracy", "eval_exact_match", "eval_f1"];
+  const records = new Map();
+  let lastStep = -1;
+
+  function svgEl(tag, attrs, text) {
+    const node = document.createElementNS(SVG, tag);
+    for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, String(value));
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function fmt(x) {
+    if (x === null || x === undefined || !Number.isFinite(x)) return "–";
+    const a = Math.abs(x);
+    if (a !== 0 && (a >= 1e5 || a < 1e-3)) return x.toExponential(2);
+    return Number.isInteger(x) ? String(x) : x.toFixed(a >= 100 ? 1 : 3);
+  }
+
+  function duration(seconds) {
+    const s = Math.max(0, Math.round(seconds));
+    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
+    return h ? `${h} h ${m} min` : m ? `${m} min ${s % 60} s` : `${s} s`;
+  }
+
+  function extent(values) {
+    let lo = Math.min(...values), hi = Math.max(...values);
+    if (lo === hi) { const pad = Math.abs(lo) * 0.1 || 1; lo -= pad; hi += pad; }
+    return [lo, hi];
+  }
+
+  // series: [{name, cls, points: [[step, value], ...]}]
+  function drawChart(svg, series) {
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    const W = 600, H = 220, L = 60, R = 12, T = 14, B = 30;
+    const points = series.flatMap((s) => s.points);
+    if (!points.length) {
+      svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" },
+        "waiting for the monitor's first report"));
+      return;
+    }
+    const [x0, x1] = extent(points.map((p) => p[0]));
+    const [y0, y1] = extent(points.map((p) => p[1]));
+    const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+    const sy = (y) => H - B - ((y - y0) / (y1 - y0)) * (H - T - B);
+    for (let i = 0; i <= 4; i++) {
+      const y = y0 + (i * (y1 - y0)) / 4;
+      svg.appendChild(svgEl("line", { x1: L, x2: W - R, y1: sy(y), y2: sy(y), class: "grid" }));
+      svg.appendChild(svgEl("text", { x: L - 6, y: sy(y) + 4, "text-anchor": "end", class: "tick" }, fmt(y)));
+      const x = x0 + (i * (x1 - x0)) / 4;
+      svg.appendChild(svgEl("text", { x: sx(x), y: H - B + 16, "text-anchor": "middle", class: "tick" },
+        fmt(Math.round(x))));
+    }
+    svg.appendChild(svgEl("text", { x: W - R, y: H - 2, "text-anchor": "end", class: "axis" }, "global step"));
+    series.forEach((s, i) => {
+      if (!s.points.length) return;
+      const path = s.points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
+      svg.appendChild(svgEl("polyline", { points: path, class: `line ${s.cls}` }));
+      if (s.points.length < 40) {
+        for (const p of s.points) svg.appendChild(svgEl("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, class: s.cls }));
+      }
+      if (series.length > 1) {
+        svg.appendChild(svgEl("text", { x: L + 8 + i * 110, y: T + 4, class: `legend ${s.cls}` }, s.name));
+      }
+    });
+  }
+
+  function pointsOf(rows, key) {
+    return rows.filter((r) => Number.isFinite(r[key])).map((r) => [r.step, r[key]]);
+  }
+
+  function eta(rows) {
+    if (!maxSteps) return "no max_steps";
+    const last = rows[rows.length - 1];
+    if (last.step >= maxSteps) return "done";
+    const first = rows[Math.max(0, rows.length - 10)];
+    const rate = (last.step - first.step) / (last.time - first.time);
+    return rate > 0 && Number.isFinite(rate) ? duration((maxSteps - last.step) / rate) : "–";
+  }
+
+  function setText(elementId, text) {
+    document.getElementById(elementId).textContent = text;
+  }
+
+  function renderMetrics() {
+    const rows = [...records.values()].sort((a, b) => a.step - b.step);
+    drawChart(document.getElementById("chart-loss"), [
+      { name: "train loss", cls: "s1", points: pointsOf(rows, "loss") },
+      { name: "eval loss", cls: "s2", points: pointsOf(rows, "eval_loss") },
+    ].filter((s, i) => i === 0 || s.points.length));
+    drawChart(document.getElementById("chart-peers"), [{ name: "peers", cls: "s1", points: pointsOf(rows, "alive_peers") }]);
+    drawChart(document.getElementById("chart-sps"),
+      [{ name: "samples/s", cls: "s1", points: pointsOf(rows, "samples_per_second") }]);
+    if (!rows.length) return;
+    const last = rows[rows.length - 1];
+    setText("stat-step", String(last.step));
+    setText("stat-loss", fmt(last.loss));
+    setText("stat-peers", String(last.alive_peers));
+    setText("stat-sps", fmt(last.samples_per_second));
+    setText("stat-eta", eta(rows));
+    const evals = document.getElementById("evals");
+    evals.replaceChildren();
+    for (const key of EVALS) {
+      const latest = rows.filter((r) => Number.isFinite(r[key])).pop();
+      if (!latest) continue;
+      const box = document.createElement("div");
+      const label = document.createElement("span");
+      label.className = "label";
+      label.textContent = `${key.replace("eval_", "eval ").replace("_", " ")} (step ${latest.step})`;
+      const value = document.createElement("span");
+      value.className = "value";
+      value.id = `stat-${key}`;
+      value.textContent = fmt(latest[key]);
+      box.append(label, value);
+      evals.appendChild(box);
+    }
+    evals.hidden = !evals.childElementCount;
+  }
+
+  function size(bytes) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (bytes >= 1024 && i < units.length - 1) { bytes /= 1024; i++; }
+    return `${i ? bytes.toFixed(1) : bytes} ${units[i]}`;
+  }
+
+  function renderCheckpoints(list) {
+    const table = document.getElementById("checkpoints");
+    const body = table.querySelector("tbody");
+    body.replaceChildren();
+    for (const c of list) {
+      const row = body.insertRow();
+      row.insertCell().textContent = String(c.step);
+      row.insertCell().textContent = fmt(c.loss);
+      row.insertCell().textContent = size(c.size);
+      const sha = row.insertCell();
+      sha.textContent = c.sha256.slice(0, 12) + "…";
+      sha.title = c.sha256;
+      const link = row.insertCell();
+      if (admin) {
+        const a = document.createElement("a");
+        a.href = c.url;
+        a.textContent = `checkpoint-${c.step}.tar.gz`;
+        a.setAttribute("download", "");
+        link.appendChild(a);
+      } else {
+        link.textContent = "token needed";
+      }
+    }
+    table.hidden = !list.length;
+    document.getElementById("no-checkpoints").hidden = Boolean(list.length);
+  }
+
+  async function poll() {
+    try {
+      const metrics = await fetch(`/api/experiments/${id}/metrics?after=${lastStep - 1}`, { cache: "no-store" });
+      if (!metrics.ok) throw new Error(`metrics: HTTP ${metrics.status}`);
+      for (const r of await metrics.json()) {
+        records.set(r.step, r);
+        lastStep = Math.max(lastStep, r.step);
+      }
+      const checkpoints = await fetch(`/api/experiments/${id}/checkpoints`, { cache: "no-store" });
+      if (!checkpoints.ok) throw new Error(`checkpoints: HTTP ${checkpoints.status}`);
+      renderCheckpoints(await checkpoints.json());
+      renderMetrics();
+      setText("status", `live · updated ${new Date().toLocaleTimeString()}`);
+    } catch (error) {
+      setText("status", `connection lost (${error.message}); retrying`);
+    } finally {
+      setTimeout(poll, POLL_MS);
+    }
+  }
+
+  poll();
+})();
