@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import jinja2
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
@@ -26,6 +30,22 @@ CSP = (
 DOCS_CSP = CSP.replace("style-src 'self'", "style-src 'self' 'unsafe-inline'").replace(
     "script-src 'self'", "script-src 'self' 'unsafe-inline'"
 )
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities as strings: JSON has no such numbers, and an error body must still be sent."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 body, which would fail to encode a rejected NaN (a 500 instead of a 422)."""
+    return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, 422)
 
 
 class BodyLimit:
@@ -97,6 +117,7 @@ def create_app(settings: WebSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.state.settings = settings
     app.state.store = Store(settings.db)
     settings.upload_dir.mkdir(parents=True, exist_ok=True)

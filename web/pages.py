@@ -39,9 +39,9 @@ def _store(request: Request) -> Store:
     return request.app.state.store
 
 
-def _render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+def _render(request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     context.setdefault("admin", is_admin(request))
-    return request.app.state.templates.TemplateResponse(request, name, context, status_code=status_code)
+    return request.app.state.templates.TemplateResponse(request, template, context, status_code=status_code)
 
 
 def _login_redirect(request: Request) -> RedirectResponse:
