@@ -24,7 +24,11 @@
     if (x === null || x === undefined || !Number.isFinite(x)) return "–";
     const a = Math.abs(x);
     if (a !== 0 && (a >= 1e5 || a < 1e-3)) return x.toExponential(2);
-    return Number.isInteger(x) ? String(x) : x.toFixed(a >= 100 ? 1 : 3);
+    return x.toFixed(a >= 100 ? 0 : a >= 10 ? 1 : 3);
+  }
+
+  function tick(x) {
+    return Number.isInteger(x) ? String(x) : fmt(x);
   }
 
   function duration(seconds) {
@@ -39,10 +43,10 @@
     return [lo, hi];
   }
 
-  // series: [{name, cls, points: [[step, value], ...]}]
-  function drawChart(svg, series) {
+  // series: [{name, cls, points: [[step, value], ...]}]; integer: whole-number values (peers), whole ticks
+  function drawChart(svg, series, integer) {
     while (svg.firstChild) svg.removeChild(svg.firstChild);
-    const W = 600, H = 220, L = 60, R = 12, T = 14, B = 30;
+    const W = svg.viewBox.baseVal.width, H = svg.viewBox.baseVal.height, L = 64, R = 14, T = 16, B = 32;
     const points = series.flatMap((s) => s.points);
     if (!points.length) {
       svg.appendChild(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" },
@@ -50,27 +54,29 @@
       return;
     }
     const [x0, x1] = extent(points.map((p) => p[0]));
-    const [y0, y1] = extent(points.map((p) => p[1]));
+    let [y0, y1] = extent(points.map((p) => p[1]));
+    if (integer) { y0 = Math.max(0, Math.floor(y0)); y1 = Math.max(y0 + 1, Math.ceil(y1)); }
     const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
     const sy = (y) => H - B - ((y - y0) / (y1 - y0)) * (H - T - B);
-    for (let i = 0; i <= 4; i++) {
-      const y = y0 + (i * (y1 - y0)) / 4;
+    const yStep = integer ? Math.max(1, Math.ceil((y1 - y0) / 4)) : (y1 - y0) / 4;
+    for (let y = y0; y <= y1 + 1e-9 * Math.abs(y1); y += yStep) {
       svg.appendChild(svgEl("line", { x1: L, x2: W - R, y1: sy(y), y2: sy(y), class: "grid" }));
-      svg.appendChild(svgEl("text", { x: L - 6, y: sy(y) + 4, "text-anchor": "end", class: "tick" }, fmt(y)));
-      const x = x0 + (i * (x1 - x0)) / 4;
-      svg.appendChild(svgEl("text", { x: sx(x), y: H - B + 16, "text-anchor": "middle", class: "tick" },
-        fmt(Math.round(x))));
+      svg.appendChild(svgEl("text", { x: L - 6, y: sy(y) + 4, "text-anchor": "end", class: "tick" }, tick(y)));
     }
-    svg.appendChild(svgEl("text", { x: W - R, y: H - 2, "text-anchor": "end", class: "axis" }, "global step"));
+    const xTicks = [...new Set([0, 1, 2, 3, 4].map((i) => Math.round(x0 + (i * (x1 - x0)) / 4)))];
+    for (const x of xTicks) {
+      svg.appendChild(svgEl("text", { x: sx(x), y: H - B + 16, "text-anchor": "middle", class: "tick" }, String(x)));
+    }
+    svg.appendChild(svgEl("text", { x: W - R, y: H - 4, "text-anchor": "end", class: "axis" }, "global step"));
     series.forEach((s, i) => {
       if (!s.points.length) return;
       const path = s.points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
       svg.appendChild(svgEl("polyline", { points: path, class: `line ${s.cls}` }));
       if (s.points.length < 40) {
-        for (const p of s.points) svg.appendChild(svgEl("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, class: s.cls }));
+        for (const p of s.points) svg.appendChild(svgEl("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, class: s.cls }));
       }
       if (series.length > 1) {
-        svg.appendChild(svgEl("text", { x: L + 8 + i * 110, y: T + 4, class: `legend ${s.cls}` }, s.name));
+        svg.appendChild(svgEl("text", { x: W - R - (series.length - i) * 100, y: T + 2, class: `legend ${s.cls}` }, s.name));
       }
     });
   }
@@ -98,7 +104,8 @@
       { name: "train loss", cls: "s1", points: pointsOf(rows, "loss") },
       { name: "eval loss", cls: "s2", points: pointsOf(rows, "eval_loss") },
     ].filter((s, i) => i === 0 || s.points.length));
-    drawChart(document.getElementById("chart-peers"), [{ name: "peers", cls: "s1", points: pointsOf(rows, "alive_peers") }]);
+    drawChart(document.getElementById("chart-peers"),
+      [{ name: "peers", cls: "s1", points: pointsOf(rows, "alive_peers") }], true);
     drawChart(document.getElementById("chart-sps"),
       [{ name: "samples/s", cls: "s1", points: pointsOf(rows, "samples_per_second") }]);
     if (!rows.length) return;

@@ -1,0 +1,61 @@
+"""A real ``run_web.py`` process on 127.0.0.1 for the browser and integration tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WebServer:
+    """``python run_web.py`` with its own database; ``url`` once it answers."""
+
+    def __init__(self, folder: Path, admin_token: str, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = folder / "run_web.log"
+        self._log = open(self.log_path, "wb")
+        argv = ["--port", str(self.port), "--db", str(folder / "experiments.sqlite"), "--admin_token", admin_token]
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "run_web.py"), *argv, *extra],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"run_web.py exited with {self.process.returncode}: {self.log_path.read_text()}")
+            try:
+                if requests.get(self.url + "/", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"run_web.py did not answer within {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
