@@ -7,23 +7,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.web.helpers import ADMIN, ADMIN_TOKEN
 from web.app import create_app
-from web.forms import display_values, form_sections
 from web.settings import WebSettings
-
-ADMIN_TOKEN = "admin-token-for-tests"
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def default_form(**overrides) -> dict[str, str]:
-    """What a browser submits for the untouched form: checked boxes only, lists one per line."""
-    sections = form_sections()
-    values = {**display_values({}, sections), **overrides}
-    return {key: ("true" if value is True else value) for key, value in values.items() if value is not False}
 
 
 @pytest.fixture

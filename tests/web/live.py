@@ -43,9 +43,9 @@ class WebServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"run_web.py exited with {self.process.returncode}: {self.log_path.read_text()}")
             try:
-                if requests.get(self.url + "/", timeout=2).status_code == 200:
+                if requests.get(self.url + "/", timeout=5).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or busy starting up
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"run_web.py did not answer within {timeout:.0f} s; see {self.log_path}")

@@ -7,7 +7,7 @@ import io
 
 from fastapi.testclient import TestClient
 
-from tests.web.conftest import ADMIN, bearer
+from tests.web.helpers import ADMIN, bearer
 from web.app import create_app
 
 NO_ADMIN = {"detail": "admin token required: send Authorization: Bearer <admin token>"}

@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 
 from arguments import EXPERIMENT_ARGUMENTS, SECRET_SETTINGS, ConfigError, to_config, validate_config
-from tests.web.conftest import default_form
+from tests.web.helpers import default_form
 from web.forms import config_from_form, display_values, form_sections, validated_config, widget_kind
 from web.pages import join_commands
 

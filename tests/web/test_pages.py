@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.web.conftest import ADMIN, ADMIN_TOKEN, default_form
+from tests.web.helpers import ADMIN, ADMIN_TOKEN, default_form
 
 
 def sign_in(client) -> None:

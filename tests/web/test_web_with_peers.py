@@ -1,0 +1,118 @@
+"""The whole story: a live run_web.py serves the config; a monitor and two peers started with --config from it
+train together; the monitor's metrics and an uploaded checkpoint arrive through the dashboard API."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.web.live import ROOT, WebServer
+from trainer.local import JOIN_LINE, PeerProcess
+
+pytestmark = pytest.mark.integration
+
+ADMIN_TOKEN = "integration-admin-token"
+MAX_STEPS = 6
+FAST = {"target_batch_size": 128, "matchmaking_time": 2.0, "max_steps": MAX_STEPS, "statistics_expiration": 120.0}
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def join_flags(log_path: Path, process: subprocess.Popen, timeout: float) -> list[str]:
+    def found():
+        if process.poll() is not None:
+            raise RuntimeError(f"the monitor exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        match = JOIN_LINE.search(log_path.read_text(errors="replace"))
+        return match.group(1).split() if match else None
+
+    return wait_until(found, timeout, "the monitor's --initial_peers line", poll=0.3)
+
+
+@pytest.fixture
+def web(tmp_path):
+    if not (ROOT / "run_training_monitor.py").exists():
+        pytest.skip("run_training_monitor.py is not in this checkout yet")
+    server = WebServer(tmp_path, ADMIN_TOKEN)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_monitor_and_two_peers_configured_by_the_web_app(web, tmp_path, sample_data):
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    config = {**FAST, "experiment_prefix": f"webtest{int(time.time())}"}
+    created = requests.post(f"{web.url}/api/experiments", json={"name": "itest", "config": config}, headers=admin)
+    assert created.status_code == 201, created.text
+    token = created.json()["token"]
+    api = f"{web.url}/api/experiments/1"
+    common = ["--config", f"{api}/config", "--config_token", token]
+    monitor_log = tmp_path / "monitor.log"
+    monitor_argv = [
+        *common,
+        "--report_url",
+        f"{api}/metrics",
+        "--refresh_period",
+        "1",
+        "--store_checkpoints",
+        "--save_checkpoint_step_interval",
+        "2",
+        "--repo_path",
+        str(tmp_path / "checkpoints"),
+        "--upload_interval",
+        "2",
+        "--upload_to",
+        f"{api}/checkpoints",
+    ]
+    with open(monitor_log, "wb") as log:
+        monitor = subprocess.Popen(
+            [sys.executable, str(ROOT / "run_training_monitor.py"), *monitor_argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=dict(os.environ),
+        )
+    peers = []
+    try:
+        join = join_flags(monitor_log, monitor, timeout=90)
+        peers = [
+            PeerProcess([*common, *join, "--output_dir", str(tmp_path / name)], tmp_path / f"{name}.log")
+            for name in "AB"
+        ]
+
+        def progress():
+            steps = [r["step"] for r in requests.get(f"{api}/metrics", timeout=5).json()]
+            uploaded = requests.get(f"{api}/checkpoints", timeout=5).json()
+            finished = all(p.process.poll() is not None for p in peers)
+            return (steps, uploaded) if steps and max(steps) >= MAX_STEPS - 1 and (uploaded or finished) else None
+
+        steps, uploaded = wait_until(progress, 150, "the monitor's metrics and a checkpoint on the dashboard API")
+    finally:
+        for peer in peers:
+            peer.stop()
+        monitor.terminate()
+        monitor.wait(30)
+
+    rows = requests.get(f"{api}/metrics", timeout=5).json()
+    assert steps == sorted(steps) and len(steps) >= 2
+    assert max(r["alive_peers"] for r in rows) == 2
+    assert any(r["loss"] is not None for r in rows)
+    assert uploaded, f"no checkpoint uploaded; monitor log:\n{monitor_log.read_text()[-3000:]}"
+    archive = requests.get(f"{web.url}{uploaded[-1]['url']}", headers={"Authorization": f"Bearer {token}"})
+    assert hashlib.sha256(archive.content).hexdigest() == uploaded[-1]["sha256"]
