@@ -7,6 +7,7 @@ user's input and the message beside the field it names (status 422).
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -96,7 +97,18 @@ def logout() -> Response:
     return response
 
 
-def _form_page(request: Request, *, title: str, action: str, name: str, config: dict, errors=None, status=200):
+NEW_FORM = ("New experiment", "/experiments/new")  # (title, where the form posts)
+
+
+def _edit_form(experiment: Experiment) -> tuple[str, str]:
+    title = f"Edit experiment {experiment.id} (saving makes version {experiment.version + 1})"
+    return title, f"/experiments/{experiment.id}/edit"
+
+
+def _form_page(
+    request: Request, form: tuple[str, str], name: str, config: dict, errors: dict | None = None, status: int = 200
+) -> HTMLResponse:
+    title, action = form
     return _render(
         request,
         "form.html",
@@ -131,26 +143,26 @@ async def _submitted(request: Request) -> tuple[str, dict[str, Any], dict[str, A
 def new_form(request: Request) -> Response:
     if not is_admin(request):
         return _login_redirect(request)
-    return _form_page(request, title="New experiment", action="/experiments/new", name="", config={})
+    return _form_page(request, NEW_FORM, "", {})
+
+
+async def _save_form(request: Request, form: tuple[str, str], save: Callable[[str, dict], Experiment]) -> Response:
+    """The form again with its errors (422), or ``save(name, config)`` and on to the experiment's page."""
+    name, config, stored, errors = await _submitted(request)
+    if stored is None:
+        return _form_page(request, form, name, config, errors, 422)
+    return RedirectResponse(f"/experiments/{save(name, stored).id}", 303)
+
+
+def _require_admin_session(request: Request) -> None:
+    if not is_admin(request):
+        raise HTTPException(403, "sign in as the admin first")
 
 
 @router.post("/experiments/new")
 async def create(request: Request) -> Response:
-    if not is_admin(request):
-        raise HTTPException(403, "sign in as the admin first")
-    name, config, stored, errors = await _submitted(request)
-    if stored is None:
-        return _form_page(
-            request,
-            title="New experiment",
-            action="/experiments/new",
-            name=name,
-            config=config,
-            errors=errors,
-            status=422,
-        )
-    experiment = _store(request).create_experiment(name, stored)
-    return RedirectResponse(f"/experiments/{experiment.id}", 303)
+    _require_admin_session(request)
+    return await _save_form(request, NEW_FORM, _store(request).create_experiment)
 
 
 @router.get("/experiments/{experiment_id}/edit", response_class=HTMLResponse)
@@ -158,35 +170,16 @@ def edit_form(experiment_id: int, request: Request) -> Response:
     if not is_admin(request):
         return _login_redirect(request)
     experiment = _experiment_or_404(request, experiment_id)
-    title = f"Edit experiment {experiment_id} (saving makes version {experiment.version + 1})"
-    return _form_page(
-        request,
-        title=title,
-        action=f"/experiments/{experiment_id}/edit",
-        name=experiment.name,
-        config=experiment.config,
-    )
+    return _form_page(request, _edit_form(experiment), experiment.name, experiment.config)
 
 
 @router.post("/experiments/{experiment_id}/edit")
 async def edit(experiment_id: int, request: Request) -> Response:
-    if not is_admin(request):
-        raise HTTPException(403, "sign in as the admin first")
+    _require_admin_session(request)
     experiment = _experiment_or_404(request, experiment_id)
-    name, config, stored, errors = await _submitted(request)
-    if stored is None:
-        title = f"Edit experiment {experiment_id} (saving makes version {experiment.version + 1})"
-        return _form_page(
-            request,
-            title=title,
-            action=f"/experiments/{experiment_id}/edit",
-            name=name,
-            config=config,
-            errors=errors,
-            status=422,
-        )
-    _store(request).save_version(experiment_id, name, stored)
-    return RedirectResponse(f"/experiments/{experiment_id}", 303)
+    return await _save_form(
+        request, _edit_form(experiment), lambda name, config: _store(request).save_version(experiment_id, name, config)
+    )
 
 
 @router.get("/experiments/{experiment_id}/clone", response_class=HTMLResponse)
@@ -194,19 +187,13 @@ def clone_form(experiment_id: int, request: Request) -> Response:
     if not is_admin(request):
         return _login_redirect(request)
     experiment = _experiment_or_404(request, experiment_id)
-    return _form_page(
-        request,
-        title=f"Clone experiment {experiment_id}",
-        action="/experiments/new",
-        name=f"{experiment.name} (copy)",
-        config=experiment.config,
-    )
+    clone = (f"Clone experiment {experiment_id}", "/experiments/new")
+    return _form_page(request, clone, f"{experiment.name} (copy)", experiment.config)
 
 
 @router.post("/experiments/{experiment_id}/token")
 def rotate(experiment_id: int, request: Request) -> Response:
-    if not is_admin(request):
-        raise HTTPException(403, "sign in as the admin first")
+    _require_admin_session(request)
     _experiment_or_404(request, experiment_id)
     _store(request).rotate_token(experiment_id)
     return RedirectResponse(f"/experiments/{experiment_id}", 303)

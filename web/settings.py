@@ -80,13 +80,4 @@ def parse_web_args(argv: Sequence[str] | None = None, environ: dict | None = Non
             raise SettingsError(f"--{flag}: must be a positive number (got {getattr(args, flag)})")
     if args.public_url and not args.public_url.startswith(("http://", "https://")):
         raise SettingsError(f"--public_url: must be an http(s):// URL (got {args.public_url!r})")
-    return WebSettings(
-        admin_token=token,
-        db=args.db,
-        data_dir=args.data_dir,
-        host=args.host,
-        port=args.port,
-        public_url=args.public_url,
-        max_upload_mb=args.max_upload_mb,
-        max_request_kb=args.max_request_kb,
-    )
+    return WebSettings(**{**vars(args), "admin_token": token})

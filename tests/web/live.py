@@ -7,11 +7,24 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 1.0):
+    """The first truthy ``condition()``, polling every ``poll`` seconds; TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def free_port() -> int:
@@ -59,3 +72,14 @@ class WebServer:
                 self.process.kill()
                 self.process.wait(5)
         self._log.close()
+
+
+@contextmanager
+def running_web_server(folder: Path, admin_token: str) -> Iterator[WebServer]:
+    """A started and answering run_web.py, stopped on exit."""
+    server = WebServer(folder, admin_token)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.web.live import WebServer
+from tests.web.live import WebServer, running_web_server
 
 pytestmark = pytest.mark.browser
 
@@ -35,12 +35,8 @@ def server(tmp_path):
     if not CHROMIUM.exists():
         reason = "no /usr/bin/chromium: apt-get install chromium (make browser)"
         pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
-    server = WebServer(tmp_path, ADMIN_TOKEN)
-    try:
-        server.wait_ready()
+    with running_web_server(tmp_path, ADMIN_TOKEN) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

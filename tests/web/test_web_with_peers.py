@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.web.live import ROOT, WebServer
+from tests.web.live import ROOT, running_web_server, wait_until
 from trainer.local import JOIN_LINE, PeerProcess
 
 pytestmark = pytest.mark.integration
@@ -21,16 +21,6 @@ pytestmark = pytest.mark.integration
 ADMIN_TOKEN = "integration-admin-token"
 MAX_STEPS = 6
 FAST = {"target_batch_size": 128, "matchmaking_time": 2.0, "max_steps": MAX_STEPS, "statistics_expiration": 120.0}
-
-
-def wait_until(condition, timeout: float, what: str, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(poll)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def join_flags(log_path: Path, process: subprocess.Popen, timeout: float) -> list[str]:
@@ -47,12 +37,8 @@ def join_flags(log_path: Path, process: subprocess.Popen, timeout: float) -> lis
 def web(tmp_path):
     if not (ROOT / "run_training_monitor.py").exists():
         pytest.skip("run_training_monitor.py is not in this checkout yet")
-    server = WebServer(tmp_path, ADMIN_TOKEN)
-    try:
-        server.wait_ready()
+    with running_web_server(tmp_path, ADMIN_TOKEN) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_monitor_and_two_peers_configured_by_the_web_app(web, tmp_path, sample_data):
