@@ -451,6 +451,8 @@ def config_to_argv(config: dict[str, Any], dataclass_types: Sequence[type], sour
         if isinstance(value, list):
             if not all(isinstance(item, (str, int, float)) for item in value):
                 raise ConfigError(f"--{key}: in {source}, expected a list of plain values, got {value!r}")
+            if any(str(item).startswith("-") for item in value):
+                raise ConfigError(f"--{key}: in {source}, list items must not start with '-' (got {value!r})")
             if value:
                 argv += [f"--{key}", *map(str, value)]
             elif known[key].default_factory is not dataclasses.MISSING and known[key].default_factory():
@@ -458,7 +460,8 @@ def config_to_argv(config: dict[str, Any], dataclass_types: Sequence[type], sour
         elif isinstance(value, dict):
             raise ConfigError(f"--{key}: in {source}, expected a single value, got an object")
         else:
-            argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+            # --key=value: a value that starts with '-' stays a value and is never read as another flag
+            argv.append(f"--{key}={str(value).lower() if isinstance(value, bool) else value}")
     return argv
 
 
@@ -485,7 +488,7 @@ def load_config(source: str, token: str | None = None) -> dict[str, Any]:
         raise ConfigError(f"--config: could not read {source} ({e})") from None
 
 
-def _split_config_flags(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+def split_config_flags(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     """Take the config source (a leading *.json path or --config X) and --config_token out of argv."""
     config, token, rest = None, None, []
     items = iter(argv)
@@ -514,7 +517,7 @@ def parse_args(dataclass_types: Sequence[type], argv: Sequence[str] | None = Non
     if "-h" in argv or "--help" in argv:
         parser.print_help()
         raise SystemExit(0)
-    config_source, token, rest = _split_config_flags(argv)
+    config_source, token, rest = split_config_flags(argv)
     config_argv = (
         config_to_argv(load_config(config_source, token), dataclass_types, config_source) if config_source else []
     )

@@ -11,6 +11,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from collab.checkpoint import CheckpointError, load_optimizer_state, read_manifest
 from collab.schema import LocalMetrics, metrics_key
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class CollaborativeCallback:
         self.backup = None
         self.rollbacks = 0
 
-    def on_train_begin(self) -> None:
+    def on_train_begin(self, resume_from: str | None = None) -> None:
+        """Start from ``resume_from`` (a monitor checkpoint) if given, then take any newer state the peers have."""
+        if resume_from is not None:
+            self.resume_from_checkpoint(resume_from)
         logger.info("Loading the collaboration's state from peers (if any)")
         self.optimizer.load_state_from_peers()
         self.last_epoch = self.optimizer.local_epoch
@@ -118,14 +122,31 @@ class CollaborativeCallback:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
-    @torch.no_grad()
     def restore_backup(self) -> None:
-        """Put back the last backup in the model and, when offloaded, in the optimizer's own parameter copies."""
+        """Put back the last in-memory backup of the model and the optimizer."""
         self.rollbacks += 1
         logger.warning("Parameters became NaN or infinite: restoring the backup (rollback #%d)", self.rollbacks)
+        self._load_training_state(self.backup["model"], copy.deepcopy(self.backup["optimizer"]))
+
+    def resume_from_checkpoint(self, folder: str) -> None:
+        """Load a checkpoint saved by the monitor (verified against its manifest) into the model and optimizer."""
+        try:
+            manifest = read_manifest(folder)
+        except CheckpointError as e:
+            raise CheckpointError(f"--resume_from: {e}") from None
+        weights = type(self.model).from_pretrained(folder).state_dict()
+        state = load_optimizer_state(folder)
+        self._load_training_state(weights, state["optimizer"])
+        self.optimizer.state_averager.local_epoch = manifest.step
+        self.optimizer.state_averager._update_scheduler()
+        logger.info("Resumed from checkpoint %s (global epoch %d)", folder, manifest.step)
+
+    @torch.no_grad()
+    def _load_training_state(self, model_state: dict, optimizer_state: dict) -> None:
+        """Model weights and ``hivemind.Optimizer.state_dict()`` into place, offloaded copies and buffers included."""
         self.optimizer.state_averager.step(wait_for_delayed_updates=True)
-        self.model.load_state_dict(self.backup["model"])
-        self.optimizer.load_state_dict(copy.deepcopy(self.backup["optimizer"]))
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)
         optimized = [param for group in self.optimizer.opt.param_groups for param in group["params"]]
         main = [param for group in self.optimizer.param_groups for param in group["params"]]
         for opt_param, main_param in zip(optimized, main, strict=True):

@@ -8,11 +8,18 @@ answer from another process can form an unreachable cycle; the garbage collector
 ``averaging_timeout``, after which the peer falls out of sync. We give the event loops of hivemind's processes
 a task factory that holds every task until it is done. The processes are forked from ours, so the patch applied
 here is inherited by them.
+
+Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
+process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the
+trainer itself no longer stops on Ctrl-C. We let the child start with SIGINT ignored and give the caller its
+handler back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 
 import hivemind.averaging.averager
 import hivemind.dht.dht
@@ -36,9 +43,24 @@ def switch_to_uvloop_keeping_tasks() -> asyncio.AbstractEventLoop:
     return loop
 
 
+_original_run_in_background = hivemind.averaging.averager.DecentralizedAverager.run_in_background
+
+
+def run_in_background_keeping_sigint(self, *args, **kwargs):
+    """Start the averager's process with SIGINT ignored there, and leave the caller's SIGINT handler as it was."""
+    if threading.current_thread() is not threading.main_thread():
+        return _original_run_in_background(self, *args, **kwargs)  # signal handlers live in the main thread only
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        return _original_run_in_background(self, *args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
 def apply() -> None:
     for module in (hivemind.averaging.averager, hivemind.dht.dht):
         module.switch_to_uvloop = switch_to_uvloop_keeping_tasks
+    hivemind.averaging.averager.DecentralizedAverager.run_in_background = run_in_background_keeping_sigint
 
 
 apply()

@@ -60,10 +60,10 @@ def aggregate(records: Mapping[Any, tuple[Any, float]], now: float) -> SwarmMetr
     )
 
 
-def format_line(metrics: SwarmMetrics) -> str:
+def format_line(record: Mapping[str, Any]) -> str:
     """``step 12  loss 3.412  peers 3  samples 1024  samples/s 88.1``: one line per new global step."""
-    loss = "n/a" if metrics.loss is None else f"{metrics.loss:.3f}"
+    loss = "n/a" if record["loss"] is None else f"{record['loss']:.3f}"
     return (
-        f"step {metrics.step}  loss {loss}  peers {metrics.alive_peers}  samples {metrics.samples}  "
-        f"samples/s {metrics.samples_per_second:.1f}"
+        f"step {record['step']}  loss {loss}  peers {record['alive_peers']}  samples {record['samples']}  "
+        f"samples/s {record['samples_per_second']:.1f}"
     )

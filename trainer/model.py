@@ -18,14 +18,11 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from arguments import DatasetArguments
+from collab.entry import SetupError
 
 logger = logging.getLogger(__name__)
 
 MASKED_LM, CAUSAL_LM = "mlm", "clm"
-
-
-class SetupError(RuntimeError):
-    """A missing or unusable input: the message names the flag and says what to do."""
 
 
 def language_modeling_task(model_type: str) -> str:

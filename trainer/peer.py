@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
-import signal
 import threading
 
 import torch
@@ -29,34 +26,6 @@ from trainer.loop import TrainingSummary, train
 from trainer.model import build_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_DEADLINE = 25.0  # seconds between the first SIGINT/SIGTERM and a forced exit
-
-
-def install_stop_handlers(stop: threading.Event) -> None:
-    """First SIGINT/SIGTERM: finish the current step and shut down cleanly; a second one interrupts at once.
-
-    A watchdog forces the exit if the clean shutdown takes longer than SHUTDOWN_DEADLINE seconds.
-    """
-
-    def force_exit() -> None:
-        logger.warning("Clean shutdown took over %.0f s: exiting now", SHUTDOWN_DEADLINE)
-        for child in mp.active_children():
-            child.kill()
-        os._exit(0)
-
-    def on_signal(signum, frame) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        logger.info("Received %s: finishing the current step, then shutting down", signal.Signals(signum).name)
-        stop.set()
-        watchdog = threading.Timer(SHUTDOWN_DEADLINE, force_exit)
-        watchdog.daemon = True
-        watchdog.start()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
 
 def training_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,7 +72,7 @@ def run_peer(
             collaboration_args.statistics_expiration,
             collaboration_args.backup_every_steps,
         )
-        callback.on_train_begin()
+        callback.on_train_begin(collaboration_args.resume_from)
         batches = batch_stream(
             dataset,
             make_collator(tokenizer, task),
@@ -115,6 +84,9 @@ def run_peer(
         summary = train(model, optimizer, callback, batches, training_args, device, stop)
     finally:
         if optimizer is not None:
+            # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
+            # hivemind's shutdown announces the departure first, and peers would then skip our last round.
+            optimizer.state_averager.step(wait_for_delayed_updates=True)
             optimizer.shutdown()
         dht.shutdown()
 

@@ -42,3 +42,24 @@ def test_plain_hivemind_loop_loses_the_task():
 def test_patched_loop_keeps_the_task_until_it_is_answered():
     survived, answer = run_task_waiting_on_weakly_held_future(switch_to_uvloop_keeping_tasks)
     assert (survived, answer) == (True, "answered")
+
+
+def test_starting_an_averager_keeps_the_callers_sigint_handler():
+    import signal
+
+    import hivemind
+    import torch
+
+    calls = []
+    previous = signal.signal(signal.SIGINT, lambda *_: calls.append("handled"))
+    dht = hivemind.DHT(start=True)
+    averager = None
+    try:
+        averager = hivemind.averaging.DecentralizedAverager([torch.zeros(2)], dht=dht, prefix="sigint", start=True)
+        signal.raise_signal(signal.SIGINT)
+        assert calls == ["handled"]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()

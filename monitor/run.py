@@ -1,0 +1,118 @@
+"""The monitor from start to finish: join the DHT, then every refresh_period read, aggregate, report, checkpoint.
+
+The monitor is the collaboration's stable entry point (run it with --host_maddrs and --identity_path so its
+address survives restarts) and the keeper of its checkpoints. Nothing a peer does, sends or fails to send stops
+it: malformed records are ignored, state downloads are retried, uploads and web reports run in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from hivemind.utils import get_dht_time
+
+from arguments import (
+    AveragerArguments,
+    DatasetArguments,
+    MonitorArguments,
+    OptimizerArguments,
+    PeerArguments,
+    TrainingArguments,
+    to_config,
+)
+from collab.dht import start_dht
+from collab.optim import build_state_averager
+from collab.schema import make_validators, read_metrics
+from monitor.aggregate import SwarmMetrics, aggregate
+from monitor.checkpoints import CheckpointSaver
+from monitor.sinks import Sink, build_sinks, write_all
+from monitor.upload import Uploader, make_target
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MonitorState:
+    """What the loop has seen so far (for the closing log line and tests)."""
+
+    last_step: int | None = None
+    history: list[SwarmMetrics] = field(default_factory=list)
+
+
+def refresh(dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None) -> None:
+    """One refresh: read the records, report a new global step to every sink, save a checkpoint when due."""
+    metrics = aggregate(read_metrics(dht, prefix), get_dht_time())
+    if metrics is None:
+        logger.debug("No live metrics records yet")
+        return
+    if metrics.step != state.last_step:
+        state.last_step = metrics.step
+        state.history.append(metrics)
+        write_all(sinks, metrics.to_dict())
+    if saver is not None:
+        saver.maybe_save(metrics.step, metrics.loss, metrics.alive_peers)
+
+
+def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args):
+    """The state averager (the trainers' own optimizer factory) and the saver around it."""
+    from trainer.model import build_model, load_tokenizer
+
+    tokenizer = load_tokenizer(dataset_args)
+    model, _ = build_model(dataset_args, tokenizer, training_args.seed)
+    averager = build_state_averager(model, dht, peer_args, optimizer_args, averager_args, training_args)
+    saver = CheckpointSaver(
+        averager,
+        model,
+        tokenizer,
+        monitor_args.repo_path,
+        monitor_args.save_checkpoint_step_interval,
+        monitor_args.keep_checkpoints,
+        optimizer_args.load_state_timeout,
+        retry_period=monitor_args.refresh_period,
+    )
+    return averager, saver
+
+
+def run_monitor(
+    peer_args: PeerArguments,
+    optimizer_args: OptimizerArguments,
+    averager_args: AveragerArguments,
+    dataset_args: DatasetArguments,
+    training_args: TrainingArguments,
+    monitor_args: MonitorArguments,
+    stop: threading.Event,
+    token: str | None = None,
+) -> MonitorState:
+    """Run until ``stop`` is set. ``token`` authenticates web reports and http uploads (--web_token/--config_token)."""
+    validators, _ = make_validators(peer_args.experiment_prefix)
+    dht = start_dht(peer_args, validators, client_mode=False)
+    config = to_config(peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args)
+    config.pop("web_token", None)
+    sinks = build_sinks(monitor_args, peer_args.experiment_prefix, token, config)
+    averager = saver = uploader = None
+    state = MonitorState()
+    try:
+        if monitor_args.store_checkpoints:
+            averager, saver = build_checkpointing(
+                dht, peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args
+            )
+        if monitor_args.upload_interval is not None:
+            target = make_target(monitor_args.upload_to, token, monitor_args.keep_checkpoints)
+            uploader = Uploader(monitor_args.repo_path, target, monitor_args.upload_interval).start()
+        logger.info("Monitoring %s every %.0f s", peer_args.experiment_prefix, monitor_args.refresh_period)
+        while not stop.is_set():
+            try:
+                refresh(dht, peer_args.experiment_prefix, state, sinks, saver)
+            except Exception:
+                logger.exception("Refresh failed; trying again in %.0f s", monitor_args.refresh_period)
+            stop.wait(monitor_args.refresh_period)
+    finally:
+        for closeable in filter(None, (uploader, *sinks)):
+            closeable.close()
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
+    logger.info("Monitor stopped at global step %s", state.last_step)
+    return state

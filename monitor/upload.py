@@ -1,0 +1,153 @@
+"""Upload the latest checkpoint every ``--upload_interval`` seconds to ``--upload_to``, in a background thread.
+
+Targets: a local folder (``/mnt/backup/run1``), the web app (``http(s)://HOST/api/experiments/ID/checkpoints``,
+a multipart POST of ``checkpoint-<step>.tar.gz`` with its sha256 and a bearer token), or the Hugging Face Hub
+(``hf://owner/repo``, through ``huggingface_hub``; log in with ``huggingface-cli login`` or set ``HF_TOKEN``).
+A failed upload is retried with exponential backoff and logged; the metrics loop never waits for an upload.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tarfile
+import tempfile
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from collab.checkpoint import Manifest, latest_checkpoint, prune_checkpoints, sha256_file
+from collab.storage import atomic_directory
+
+logger = logging.getLogger(__name__)
+
+
+class UploadTarget(Protocol):
+    def upload(self, folder: Path, manifest: Manifest) -> None:
+        """Upload one verified checkpoint folder; raise on failure."""
+
+
+class FolderTarget:
+    """Copies each checkpoint to ``<folder>/<step>/`` atomically and keeps the newest ``keep`` there."""
+
+    def __init__(self, folder: str, keep: int):
+        self.folder, self.keep = Path(folder), keep
+
+    def upload(self, folder: Path, manifest: Manifest) -> None:
+        with atomic_directory(self.folder / str(manifest.step)) as staging:
+            shutil.copytree(folder, staging, dirs_exist_ok=True)
+        prune_checkpoints(self.folder, self.keep)
+
+    def __str__(self) -> str:
+        return str(self.folder)
+
+
+class HttpTarget:
+    """POSTs ``checkpoint-<step>.tar.gz`` to the web app with fields step, loss and sha256 (multipart)."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = 600.0):
+        self.url, self.timeout = url, timeout
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def upload(self, folder: Path, manifest: Manifest) -> None:
+        import requests
+
+        with tempfile.TemporaryDirectory(prefix="upload-") as tmp:
+            archive = Path(tmp) / f"checkpoint-{manifest.step}.tar.gz"
+            with tarfile.open(archive, "w:gz") as tar:
+                tar.add(folder, arcname=str(manifest.step))
+            fields = {"step": str(manifest.step), "sha256": sha256_file(archive)}
+            if manifest.loss is not None:
+                fields["loss"] = repr(manifest.loss)
+            with open(archive, "rb") as f:
+                response = requests.post(
+                    self.url,
+                    data=fields,
+                    files={"archive": (archive.name, f, "application/gzip")},
+                    headers=self.headers,
+                    timeout=self.timeout,
+                )
+        if response.status_code >= 400:
+            raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:200]}")
+
+    def __str__(self) -> str:
+        return self.url
+
+
+class HubTarget:
+    """Pushes the checkpoint folder to a Hugging Face Hub model repository (created if missing)."""
+
+    def __init__(self, repo_id: str):
+        self.repo_id = repo_id
+
+    def upload(self, folder: Path, manifest: Manifest) -> None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(self.repo_id, exist_ok=True)
+        loss = "n/a" if manifest.loss is None else f"{manifest.loss:.4f}"
+        api.upload_folder(
+            repo_id=self.repo_id, folder_path=str(folder), commit_message=f"Step {manifest.step}, loss {loss}"
+        )
+
+    def __str__(self) -> str:
+        return f"hf://{self.repo_id}"
+
+
+def make_target(upload_to: str, token: str | None, keep: int) -> UploadTarget:
+    if upload_to.startswith(("http://", "https://")):
+        return HttpTarget(upload_to, token)
+    if upload_to.startswith("hf://"):
+        return HubTarget(upload_to.removeprefix("hf://"))
+    return FolderTarget(upload_to, keep)
+
+
+def backoff_delays(retries: int, first: float = 2.0, cap: float = 60.0) -> list[float]:
+    """Waits before each retry: 2, 4, 8, ... seconds, at most ``cap``."""
+    return [min(first * 2**i, cap) for i in range(retries)]
+
+
+class Uploader:
+    """Background thread: every ``interval`` seconds, upload the newest valid checkpoint if not uploaded yet."""
+
+    def __init__(self, repo_path: str, target: UploadTarget, interval: float, retries: int = 4, first_delay=2.0):
+        self.repo_path, self.target, self.interval = repo_path, target, interval
+        self.delays = backoff_delays(retries, first_delay)
+        self.last_uploaded_step: int | None = None
+        self.uploads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
+
+    def start(self) -> Uploader:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.upload_latest()
+
+    def upload_latest(self) -> bool:
+        """Upload the newest checkpoint if it is new; True when one was uploaded."""
+        found = latest_checkpoint(self.repo_path)
+        if found is None or found[1].step == self.last_uploaded_step:
+            return False
+        folder, manifest = found
+        for attempt, delay in enumerate([0.0, *self.delays]):
+            if delay and self._stop.wait(delay):
+                return False
+            try:
+                self.target.upload(folder, manifest)
+            except Exception as e:
+                logger.warning("Upload of step %d to %s failed (try %d): %s", manifest.step, self.target, attempt + 1, e)
+                continue
+            self.last_uploaded_step, self.uploads = manifest.step, self.uploads + 1
+            logger.info("Uploaded checkpoint of step %d to %s", manifest.step, self.target)
+            return True
+        logger.warning("Giving up on step %d until the next upload interval", manifest.step)
+        return False
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+

@@ -1,0 +1,31 @@
+"""The monitor: the collaboration's stable entry point, its metrics reporter and the keeper of its checkpoints.
+
+python run_training_monitor.py --experiment_prefix my_run --host_maddrs /ip4/0.0.0.0/tcp/31337 \\
+    --identity_path monitor.key --store_checkpoints --repo_path checkpoints/ --metrics_path metrics.jsonl
+python run_training_monitor.py --config http://HOST:8000/api/experiments/1/config --config_token TOKEN \\
+    --report_url http://HOST:8000/api/experiments/1/metrics
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from arguments import MONITOR_ARGUMENTS, split_config_flags
+from collab.entry import run_program
+from monitor.run import run_monitor
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _, config_token, _ = split_config_flags(argv)
+
+    def run(*arguments, stop):
+        token = arguments[-1].web_token or config_token  # MonitorArguments comes last
+        return run_monitor(*arguments, stop=stop, token=token)
+
+    return run_program("run_training_monitor.py", MONITOR_ARGUMENTS, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

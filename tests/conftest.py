@@ -1,0 +1,86 @@
+"""Shared fixtures: the sample data every trainer test uses (built by `make setup`) and a recording HTTP server."""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "data" / "sample"
+
+
+@pytest.fixture(scope="session")
+def sample_data() -> Path:
+    if not (SAMPLE / "tokenized").exists():
+        pytest.fail(f"no sample data at {SAMPLE}: run `make data` (make test does it)")
+    return SAMPLE
+
+
+@dataclass
+class Request:
+    path: str
+    headers: dict
+    body: bytes
+
+    def form(self) -> dict[str, bytes]:
+        """multipart/form-data fields and files by name (their raw bytes)."""
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b"Content-Type: " + self.headers["Content-Type"].encode() + b"\r\n\r\n" + self.body
+        )
+        return {part.get_param("name", header="content-disposition"): part.get_payload(decode=True)
+                for part in message.iter_parts()}
+
+
+@dataclass
+class RecordingServer:
+    """An HTTP server on 127.0.0.1 that answers POSTs with the next status of ``statuses`` (then 201)."""
+
+    url: str
+    statuses: list[int] = field(default_factory=list)
+    accepted: list[Request] = field(default_factory=list)
+    refused: list[Request] = field(default_factory=list)
+
+    def wait_for(self, count: int, timeout: float) -> list[Request]:
+        deadline = time.monotonic() + timeout
+        while len(self.accepted) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.accepted)} of {count} requests accepted within {timeout:.0f} s")
+            time.sleep(0.1)
+        return self.accepted
+
+
+@pytest.fixture
+def recording_server():
+    state: dict = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            request = Request(self.path, dict(self.headers), body)
+            server: RecordingServer = state["server"]
+            status = server.statuses.pop(0) if server.statuses else 201
+            (server.accepted if status < 400 else server.refused).append(request)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    state["server"] = RecordingServer(f"http://127.0.0.1:{httpd.server_address[1]}")
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state["server"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -1,0 +1,99 @@
+"""monitor.aggregate: the swarm's metrics as a pure function of the records and the time."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from monitor.aggregate import aggregate, format_line
+
+NOW = 1000.0
+
+
+def record(step=1, loss=8.0, mini_steps=4, samples=64, sps=10.0):
+    return {"step": step, "samples_per_second": sps, "samples_accumulated": samples, "loss": loss,
+            "mini_steps": mini_steps}
+
+
+def test_no_peers():
+    assert aggregate({}, NOW) is None
+
+
+def test_loss_is_the_mean_over_all_mini_steps():
+    metrics = aggregate({b"a": (record(step=3, loss=8.0, mini_steps=4), NOW + 60),
+                         b"b": (record(step=4, loss=3.0, mini_steps=1, samples=16, sps=2.5), NOW + 60)}, NOW)
+    assert metrics.step == 4
+    assert metrics.loss == pytest.approx(11.0 / 5)
+    assert (metrics.alive_peers, metrics.samples, metrics.samples_per_second) == (2, 80, 12.5)
+    assert metrics.time == NOW
+
+
+def test_zero_mini_steps_gives_no_loss_instead_of_dividing_by_zero():
+    metrics = aggregate({b"a": (record(loss=0.0, mini_steps=0), NOW + 1)}, NOW)
+    assert metrics.loss is None and metrics.alive_peers == 1
+    assert "loss n/a" in format_line(metrics.to_dict())
+
+
+def test_expired_records_are_not_alive():
+    metrics = aggregate({b"a": (record(), NOW + 1), b"old": (record(step=9), NOW), b"older": (record(), NOW - 5)}, NOW)
+    assert (metrics.alive_peers, metrics.step) == (1, 1)
+
+
+def test_each_peer_counts_once():
+    # the DHT keys records by the peer's public key: a peer that publishes again replaces its own record
+    records = {b"a": (record(step=1), NOW + 10)}
+    records[b"a"] = (record(step=2), NOW + 20)
+    assert aggregate(records, NOW).alive_peers == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        record(loss=math.nan),
+        record(loss=math.inf),
+        record(sps=-1.0),
+        {**record(), "extra": 1},
+        {"step": "7"},
+        None,
+        [1, 2],
+        "garbage",
+    ],
+)
+def test_malformed_and_non_finite_records_are_ignored(bad):
+    metrics = aggregate({b"good": (record(step=2), NOW + 10), b"bad": (bad, NOW + 10)}, NOW)
+    assert (metrics.alive_peers, metrics.step, metrics.loss) == (1, 2, 2.0)
+
+
+def test_malformed_expiration_is_ignored():
+    assert aggregate({b"a": (record(), None), b"b": "not a pair", b"c": (record(), "soon")}, NOW) is None
+
+
+def test_console_line_format():
+    line = format_line(aggregate({b"a": (record(step=12, loss=13.648, mini_steps=4, samples=1024, sps=88.1),
+                                         NOW + 1)}, NOW).to_dict())
+    assert line == "step 12  loss 3.412  peers 1  samples 1024  samples/s 88.1"
+
+
+values = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=True, allow_infinity=True),
+                   st.text(max_size=5), st.lists(st.integers(), max_size=2))
+records = st.one_of(
+    st.fixed_dictionaries({"step": values, "samples_per_second": values, "samples_accumulated": values,
+                           "loss": values, "mini_steps": values}),
+    st.dictionaries(st.text(max_size=12), values, max_size=6),
+    values,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.binary(min_size=1, max_size=8),
+                       st.tuples(records, st.one_of(st.floats(allow_nan=True), st.integers(), st.none())),
+                       max_size=8))
+def test_any_records_never_crash_and_only_valid_ones_count(raw):
+    metrics = aggregate(raw, NOW)
+    if metrics is None:
+        return
+    assert 1 <= metrics.alive_peers <= len(raw)
+    assert metrics.step >= 0 and metrics.samples >= 0
+    assert math.isfinite(metrics.samples_per_second) and metrics.samples_per_second >= 0
+    assert metrics.loss is None or (math.isfinite(metrics.loss) and metrics.loss >= 0)

@@ -1,0 +1,63 @@
+"""The optimizer definition: parameter groups, schedule, local batch size."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
+
+from arguments import TrainingArguments
+from collab.optim import lamb_factory, local_batch_size, parameter_groups, scheduler_factory
+from trainer.model import tiny_bert_config
+
+
+def group_names(model, groups):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{names[id(p)] for p in group["params"]} for group in groups]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
+        AutoModelForCausalLM.from_config(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2)),
+    ],
+)
+def test_no_weight_decay_on_biases_and_norms(model):
+    groups = parameter_groups(model, weight_decay=0.01)
+    decayed, not_decayed = group_names(model, groups)
+    assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+    assert decayed.isdisjoint(not_decayed)
+    assert decayed | not_decayed == {n for n, _ in model.named_parameters()}
+    assert all(n.endswith("bias") or "LayerNorm" in n or ".ln_" in n for n in not_decayed)
+    assert not any(n.endswith("bias") for n in decayed)
+    assert any("LayerNorm.weight" in n or ".ln_1.weight" in n for n in not_decayed)
+    assert any(n.endswith("query.weight") or n.endswith("c_attn.weight") for n in decayed)
+
+
+def test_linear_warmup_then_linear_decay():
+    args = TrainingArguments(learning_rate=0.1, warmup_steps=4, total_steps=12)
+    model = torch.nn.Linear(2, 2)
+    optimizer = lamb_factory(args)(parameter_groups(model, args.weight_decay))
+    scheduler = scheduler_factory(args)(optimizer)
+    rates = []
+    for _ in range(13):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == 0.0
+    assert rates[2] == pytest.approx(0.05)
+    assert rates[4] == pytest.approx(0.1)
+    assert rates[8] == pytest.approx(0.05)
+    assert rates[12] == pytest.approx(0.0)
+
+
+def test_lamb_uses_the_training_arguments():
+    args = TrainingArguments(learning_rate=0.03, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7, clamp_value=5.0)
+    optimizer = lamb_factory(args)([torch.nn.Parameter(torch.ones(2))])
+    defaults = optimizer.defaults
+    assert (defaults["lr"], defaults["betas"], defaults["eps"]) == (0.03, (0.8, 0.95), 1e-7)
+    assert optimizer.clamp_value == 5.0 and optimizer.debias is True
+
+
+def test_local_batch_size_counts_accumulation():
+    args = TrainingArguments(per_device_train_batch_size=8, gradient_accumulation_steps=3)
+    assert local_batch_size(args) == 24 * max(1, torch.cuda.device_count())
