@@ -31,7 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(settings)
     # The first validation imports hivemind (seconds): do it now so the first Save is quick.
     threading.Thread(target=validated_config, args=({},), daemon=True, name="warm-up").start()
-    logger.info("Open http://%s:%d (peers reach it as %s)", settings.host, settings.port, settings.base_url)
+    local_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    logger.info("Open http://%s:%d (peers reach it as %s)", local_host, settings.port, settings.base_url)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.base_url.startswith("https://"):
+        logger.warning("Listening beyond loopback over plain http: tokens cross the network in clear (docs/WEB.md)")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", proxy_headers=False)
     return 0
 
