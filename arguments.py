@@ -525,9 +525,10 @@ def parse_args(dataclass_types: Sequence[type], argv: Sequence[str] | None = Non
         return parser.parse_args_into_dataclasses(args=config_argv + rest)
     except ConfigError:
         raise
-    except ValueError as e:  # HfArgumentParser reports leftover (unknown) arguments this way
-        unknown = [item for item in rest if item.startswith("-")] or rest
-        raise ConfigError(f"{unknown[0]}: unknown flag; check the spelling (see --help)") from e
+    except ValueError as e:  # HfArgumentParser: "Some specified arguments are not used ...: ['--x', '1']"
+        leftover = re.findall(r"'([^']*)'", str(e).rpartition(":")[2])
+        unknown = next((item for item in leftover if item.startswith("-")), leftover[0] if leftover else str(e))
+        raise ConfigError(f"{unknown.partition('=')[0]}: unknown flag; check the spelling (see --help)") from e
 
 
 def parse_args_or_exit(dataclass_types: Sequence[type], argv: Sequence[str] | None = None, prog: str = "") -> tuple:

@@ -46,7 +46,9 @@ class CheckpointSaver:
         found = latest_checkpoint(self.repo_path)
         self.last_saved_step: int | None = found[1].step if found else None
         if found:
-            logger.info("Latest valid checkpoint: %s (global step %d); saving goes on from there", found[0], found[1].step)
+            logger.info(
+                "Latest valid checkpoint: %s (global step %d); saving goes on from there", found[0], found[1].step
+            )
 
     def maybe_save(self, step: int, loss: float | None, peers: int) -> Path | None:
         """Save a checkpoint if one is due at this global ``step``; returns its folder, or None."""
@@ -78,7 +80,9 @@ class CheckpointSaver:
             averager.local_epoch = previous_epoch
             logger.warning("No peer sent its state within %.0f s; will retry", self.load_timeout)
             return None
-        logger.info("Downloaded the state of global epoch %d in %.1f s", averager.local_epoch, time.monotonic() - started)
+        logger.info(
+            "Downloaded the state of global epoch %d in %.1f s", averager.local_epoch, time.monotonic() - started
+        )
         return averager.local_epoch
 
     def optimizer_state(self, epoch: int) -> dict:

@@ -138,7 +138,9 @@ class Uploader:
             try:
                 self.target.upload(folder, manifest)
             except Exception as e:
-                logger.warning("Upload of step %d to %s failed (try %d): %s", manifest.step, self.target, attempt + 1, e)
+                logger.warning(
+                    "Upload of step %d to %s failed (try %d): %s", manifest.step, self.target, attempt + 1, e
+                )
                 continue
             self.last_uploaded_step, self.uploads = manifest.step, self.uploads + 1
             logger.info("Uploaded checkpoint of step %d to %s", manifest.step, self.target)
@@ -150,4 +152,3 @@ class Uploader:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-

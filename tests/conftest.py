@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import email.parser
 import email.policy
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,8 +36,10 @@ class Request:
         message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
             b"Content-Type: " + self.headers["Content-Type"].encode() + b"\r\n\r\n" + self.body
         )
-        return {part.get_param("name", header="content-disposition"): part.get_payload(decode=True)
-                for part in message.iter_parts()}
+        return {
+            part.get_param("name", header="content-disposition"): part.get_payload(decode=True)
+            for part in message.iter_parts()
+        }
 
 
 @dataclass
@@ -56,8 +60,9 @@ class RecordingServer:
         return self.accepted
 
 
-@pytest.fixture
-def recording_server():
+@contextlib.contextmanager
+def serve_recording() -> Iterator[RecordingServer]:
+    """Run a RecordingServer on 127.0.0.1 (any free port) for the duration of the block."""
     state: dict = {}
 
     class Handler(BaseHTTPRequestHandler):
@@ -84,3 +89,9 @@ def recording_server():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.fixture
+def recording_server() -> Iterator[RecordingServer]:
+    with serve_recording() as server:
+        yield server

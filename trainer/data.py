@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 MODEL_INPUTS = ("input_ids", "attention_mask", "special_tokens_mask")
 
 
-def load_train_split(dataset_path: str) -> Dataset:
-    """The ``train`` split of a dataset saved with ``save_to_disk`` (a plain Dataset is taken as the train split)."""
+def load_split(dataset_path: str, split: str = "train") -> Dataset:
+    """One split of a dataset saved with ``save_to_disk`` (a plain Dataset is taken as the train split)."""
     if not Path(dataset_path).exists():
         raise SetupError(f"--dataset_path: no tokenized dataset at {dataset_path}: run `make data` first")
     try:
@@ -28,12 +28,18 @@ def load_train_split(dataset_path: str) -> Dataset:
     except Exception as e:
         raise SetupError(f"--dataset_path: {dataset_path} is not a dataset saved with save_to_disk ({e})") from None
     if isinstance(dataset, DatasetDict):
-        if "train" not in dataset:
-            raise SetupError(f"--dataset_path: {dataset_path} has no 'train' split (found {list(dataset)})")
-        dataset = dataset["train"]
+        if split not in dataset:
+            raise SetupError(f"--dataset_path: {dataset_path} has no {split!r} split (found {list(dataset)})")
+        dataset = dataset[split]
+    elif split != "train":
+        raise SetupError(f"--dataset_path: {dataset_path} holds a single split; save a DatasetDict with {split!r}")
     if "input_ids" not in dataset.column_names or len(dataset) == 0:
         raise SetupError(f"--dataset_path: {dataset_path} must hold tokenized rows with an 'input_ids' column")
     return dataset
+
+
+def load_train_split(dataset_path: str) -> Dataset:
+    return load_split(dataset_path, "train")
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, task: str) -> DataCollatorForLanguageModeling:
@@ -47,23 +53,32 @@ def peer_data_seed(seed: int, peer_public_key: bytes) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def model_inputs(dataset: Dataset, task: str) -> Dataset:
+    """The dataset as torch tensors of the columns the model and collator use."""
+    columns = [
+        c for c in MODEL_INPUTS if c in dataset.column_names and (task == MASKED_LM or c != "special_tokens_mask")
+    ]
+    return dataset.with_format("torch", columns=columns)
+
+
 def batch_stream(
     dataset: Dataset, collator, batch_size: int, data_seed: int, task: str, num_workers: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Endless batches, reshuffled on every pass over the data."""
-    columns = [
-        c for c in MODEL_INPUTS if c in dataset.column_names and (task == MASKED_LM or c != "special_tokens_mask")
-    ]
-    dataset = dataset.with_format("torch", columns=columns)
-    generator = torch.Generator().manual_seed(data_seed)
+    dataset = model_inputs(dataset, task)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=True,
         drop_last=len(dataset) >= batch_size,
         collate_fn=collator,
-        generator=generator,
+        generator=torch.Generator().manual_seed(data_seed),
         num_workers=num_workers,
     )
     while True:
         yield from loader
+
+
+def one_pass(dataset: Dataset, collator, batch_size: int, task: str) -> DataLoader:
+    """Every row once, in order (evaluation)."""
+    return DataLoader(model_inputs(dataset, task), batch_size=batch_size, shuffle=False, collate_fn=collator)

@@ -1,4 +1,4 @@
-"""Run trainer peers as real processes on this machine: used by `make demo` and the integration tests."""
+"""Run trainers and monitors as real processes on this machine: used by `make demo` and the integration tests."""
 
 from __future__ import annotations
 
@@ -16,15 +16,26 @@ JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
 AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
 
 
-class PeerProcess:
-    """One ``run_trainer.py`` process whose output goes to a log file."""
+def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
+    """The first truthy ``condition()``, polling every ``poll`` seconds; TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
-    def __init__(self, argv: Sequence[str], log_path: Path, env: dict | None = None):
+
+class LocalProcess:
+    """One ``run_trainer.py`` (or ``script``) process whose output goes to a log file."""
+
+    def __init__(self, argv: Sequence[str], log_path: Path, env: dict | None = None, script: str = "run_trainer.py"):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "run_trainer.py"), *argv],
+            [sys.executable, str(ROOT / script), *argv],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -43,9 +54,11 @@ class PeerProcess:
             if match:
                 return match.group(1).split()
             if self.process.poll() is not None:
-                raise RuntimeError(f"peer exited with code {self.process.returncode}; see {self.log_path}")
+                raise RuntimeError(
+                    f"{self.log_path.stem} exited with code {self.process.returncode}; see {self.log_path}"
+                )
             time.sleep(0.2)
-        raise TimeoutError(f"peer logged no --initial_peers line within {timeout:.0f} s; see {self.log_path}")
+        raise TimeoutError(f"no --initial_peers line logged within {timeout:.0f} s; see {self.log_path}")
 
     def averaging_group_sizes(self) -> list[int]:
         """Group size of every successful gradient-averaging round, from hivemind's own log lines."""
@@ -69,3 +82,13 @@ class PeerProcess:
                 self.process.wait(10)
         self._log.close()
         return self.process.returncode
+
+
+def PeerProcess(argv: Sequence[str], log_path: Path, env: dict | None = None) -> LocalProcess:  # noqa: N802
+    """A ``run_trainer.py`` process."""
+    return LocalProcess(argv, log_path, env, script="run_trainer.py")
+
+
+def MonitorProcess(argv: Sequence[str], log_path: Path, env: dict | None = None) -> LocalProcess:  # noqa: N802
+    """A ``run_training_monitor.py`` process."""
+    return LocalProcess(argv, log_path, env, script="run_training_monitor.py")

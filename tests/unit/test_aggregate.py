@@ -12,8 +12,13 @@ NOW = 1000.0
 
 
 def record(step=1, loss=8.0, mini_steps=4, samples=64, sps=10.0):
-    return {"step": step, "samples_per_second": sps, "samples_accumulated": samples, "loss": loss,
-            "mini_steps": mini_steps}
+    return {
+        "step": step,
+        "samples_per_second": sps,
+        "samples_accumulated": samples,
+        "loss": loss,
+        "mini_steps": mini_steps,
+    }
 
 
 def test_no_peers():
@@ -21,8 +26,13 @@ def test_no_peers():
 
 
 def test_loss_is_the_mean_over_all_mini_steps():
-    metrics = aggregate({b"a": (record(step=3, loss=8.0, mini_steps=4), NOW + 60),
-                         b"b": (record(step=4, loss=3.0, mini_steps=1, samples=16, sps=2.5), NOW + 60)}, NOW)
+    metrics = aggregate(
+        {
+            b"a": (record(step=3, loss=8.0, mini_steps=4), NOW + 60),
+            b"b": (record(step=4, loss=3.0, mini_steps=1, samples=16, sps=2.5), NOW + 60),
+        },
+        NOW,
+    )
     assert metrics.step == 4
     assert metrics.loss == pytest.approx(11.0 / 5)
     assert (metrics.alive_peers, metrics.samples, metrics.samples_per_second) == (2, 80, 12.5)
@@ -70,25 +80,43 @@ def test_malformed_expiration_is_ignored():
 
 
 def test_console_line_format():
-    line = format_line(aggregate({b"a": (record(step=12, loss=13.648, mini_steps=4, samples=1024, sps=88.1),
-                                         NOW + 1)}, NOW).to_dict())
+    line = format_line(
+        aggregate({b"a": (record(step=12, loss=13.648, mini_steps=4, samples=1024, sps=88.1), NOW + 1)}, NOW).to_dict()
+    )
     assert line == "step 12  loss 3.412  peers 1  samples 1024  samples/s 88.1"
 
 
-values = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=True, allow_infinity=True),
-                   st.text(max_size=5), st.lists(st.integers(), max_size=2))
+values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-10, 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
 records = st.one_of(
-    st.fixed_dictionaries({"step": values, "samples_per_second": values, "samples_accumulated": values,
-                           "loss": values, "mini_steps": values}),
+    st.fixed_dictionaries(
+        {
+            "step": values,
+            "samples_per_second": values,
+            "samples_accumulated": values,
+            "loss": values,
+            "mini_steps": values,
+        }
+    ),
     st.dictionaries(st.text(max_size=12), values, max_size=6),
     values,
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.binary(min_size=1, max_size=8),
-                       st.tuples(records, st.one_of(st.floats(allow_nan=True), st.integers(), st.none())),
-                       max_size=8))
+@given(
+    st.dictionaries(
+        st.binary(min_size=1, max_size=8),
+        st.tuples(records, st.one_of(st.floats(allow_nan=True), st.integers(), st.none())),
+        max_size=8,
+    )
+)
 def test_any_records_never_crash_and_only_valid_ones_count(raw):
     metrics = aggregate(raw, NOW)
     if metrics is None:

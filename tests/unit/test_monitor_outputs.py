@@ -80,7 +80,9 @@ def test_http_upload_retries_after_a_refusal(recording_server, checkpoint_repo):
 
 def test_upload_gives_up_after_its_retries_and_tries_again_later(recording_server, checkpoint_repo):
     recording_server.statuses = [500, 500, 500]
-    uploader = Uploader(str(checkpoint_repo), HttpTarget(recording_server.url, None), 3600, retries=2, first_delay=0.05)
+    uploader = Uploader(
+        str(checkpoint_repo), HttpTarget(recording_server.url, None), 3600, retries=2, first_delay=0.05
+    )
     assert uploader.upload_latest() is False
     assert len(recording_server.refused) == 3
     assert uploader.upload_latest() is True

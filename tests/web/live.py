@@ -13,18 +13,9 @@ from pathlib import Path
 
 import requests
 
+from trainer.local import wait_until  # noqa: F401  (re-exported for the web tests)
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_until(condition, timeout: float, what: str, poll: float = 1.0):
-    """The first truthy ``condition()``, polling every ``poll`` seconds; TimeoutError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(poll)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def free_port() -> int:

@@ -4,33 +4,19 @@ train together; the monitor's metrics and an uploaded checkpoint arrive through 
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.web.live import ROOT, running_web_server, wait_until
-from trainer.local import JOIN_LINE, PeerProcess
+from trainer.local import MonitorProcess, PeerProcess
 
 pytestmark = pytest.mark.integration
 
 ADMIN_TOKEN = "integration-admin-token"
 MAX_STEPS = 6
 FAST = {"target_batch_size": 128, "matchmaking_time": 2.0, "max_steps": MAX_STEPS, "statistics_expiration": 120.0}
-
-
-def join_flags(log_path: Path, process: subprocess.Popen, timeout: float) -> list[str]:
-    def found():
-        if process.poll() is not None:
-            raise RuntimeError(f"the monitor exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-        match = JOIN_LINE.search(log_path.read_text(errors="replace"))
-        return match.group(1).split() if match else None
-
-    return wait_until(found, timeout, "the monitor's --initial_peers line", poll=0.3)
 
 
 @pytest.fixture
@@ -49,7 +35,6 @@ def test_monitor_and_two_peers_configured_by_the_web_app(web, tmp_path, sample_d
     token = created.json()["token"]
     api = f"{web.url}/api/experiments/1"
     common = ["--config", f"{api}/config", "--config_token", token]
-    monitor_log = tmp_path / "monitor.log"
     monitor_argv = [
         *common,
         "--report_url",
@@ -66,17 +51,10 @@ def test_monitor_and_two_peers_configured_by_the_web_app(web, tmp_path, sample_d
         "--upload_to",
         f"{api}/checkpoints",
     ]
-    with open(monitor_log, "wb") as log:
-        monitor = subprocess.Popen(
-            [sys.executable, str(ROOT / "run_training_monitor.py"), *monitor_argv],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=dict(os.environ),
-        )
+    monitor = MonitorProcess(monitor_argv, tmp_path / "monitor.log")
     peers = []
     try:
-        join = join_flags(monitor_log, monitor, timeout=90)
+        join = monitor.join_flags(timeout=90)
         peers = [
             PeerProcess([*common, *join, "--output_dir", str(tmp_path / name)], tmp_path / f"{name}.log")
             for name in "AB"
@@ -90,15 +68,13 @@ def test_monitor_and_two_peers_configured_by_the_web_app(web, tmp_path, sample_d
 
         steps, uploaded = wait_until(progress, 150, "the monitor's metrics and a checkpoint on the dashboard API")
     finally:
-        for peer in peers:
-            peer.stop()
-        monitor.terminate()
-        monitor.wait(30)
+        for process in [*peers, monitor]:
+            process.stop()
 
     rows = requests.get(f"{api}/metrics", timeout=5).json()
     assert steps == sorted(steps) and len(steps) >= 2
     assert max(r["alive_peers"] for r in rows) == 2
     assert any(r["loss"] is not None for r in rows)
-    assert uploaded, f"no checkpoint uploaded; monitor log:\n{monitor_log.read_text()[-3000:]}"
+    assert uploaded, f"no checkpoint uploaded; monitor log:\n{monitor.log()[-3000:]}"
     archive = requests.get(f"{web.url}{uploaded[-1]['url']}", headers={"Authorization": f"Bearer {token}"})
     assert hashlib.sha256(archive.content).hexdigest() == uploaded[-1]["sha256"]

@@ -1,0 +1,340 @@
+"""A real collaboration on 127.0.0.1, every node its own process, as the README runs it.
+
+The monitor M starts first; trainers A and B join through its address; C joins once the collaboration has
+passed global epoch 2, contributes, and is then killed with SIGKILL. An outside DHT client reads the metrics
+while they train and tries to forge records. The learning rate reaches 0 at global epoch MAX_STEPS (total_steps),
+where B stops; A goes on two more epochs with frozen parameters, so the monitor's last checkpoint can be compared
+with A's final parameters. Afterwards a new trainer resumes from that checkpoint with no peers online.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import signal
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+from safetensors.torch import load_file
+from transformers import AutoModelForMaskedLM
+
+from arguments import PeerArguments
+from collab.checkpoint import list_checkpoints
+from collab.dht import start_dht
+from collab.schema import LocalMetrics, make_validators, metrics_key, read_metrics
+from tests.conftest import RecordingServer, serve_recording
+from trainer.local import LocalProcess, MonitorProcess, PeerProcess, wait_until
+
+pytestmark = pytest.mark.integration
+
+MAX_STEPS = 22
+FAST = [
+    "--target_batch_size",
+    "128",
+    "--matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "15",
+    "--total_steps",
+    str(MAX_STEPS),
+]
+C_EXPIRATION = 8  # seconds C's metrics stay alive after it is killed
+FORGED_STEP = 10**6
+TOKEN = "upload-token"
+
+
+@dataclass
+class Collaboration:
+    prefix: str
+    monitor: LocalProcess
+    peers: dict[str, LocalProcess]
+    exit_codes: dict[str, int | None]
+    output: Path
+    upload_server: RecordingServer
+    killed_c_at_step: int | None = None
+    monitor_alive_after_kill: bool = False
+    monitor_exit_code: int | None = None
+    metrics_seen: list[dict[bytes, LocalMetrics]] = field(default_factory=list)
+    forged_store_accepted: bool | None = None
+    malformed_store_accepted: bool | None = None
+
+    def metrics_lines(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output / "metrics.jsonl").read_text().splitlines()]
+
+
+def try_forgeries(intruder: hivemind.DHT, prefix: str, victim: bytes) -> tuple[bool, bool]:
+    """An outsider without the victim's key overwrites its record, and stores a malformed one of its own."""
+    forged = LocalMetrics(step=FORGED_STEP, samples_per_second=1.0, samples_accumulated=1, loss=0.0, mini_steps=1)
+    expiration = get_dht_time() + 60
+    forged_ok = intruder.store(metrics_key(prefix), forged.dict(), expiration, subkey=victim)
+    malformed_ok = intruder.store(metrics_key(prefix), {"step": "lots", "loss": -1}, expiration, subkey=b"intruder")
+    return bool(forged_ok), bool(malformed_ok)
+
+
+def current_step(records) -> int:
+    return max((LocalMetrics.parse_obj(value).step for value, _ in records.values()), default=-1)
+
+
+@pytest.fixture(scope="module")
+def collaboration(tmp_path_factory, sample_data):
+    out = tmp_path_factory.mktemp("collab")
+    prefix = f"itest{int(time.time())}"
+    with serve_recording() as upload_server:
+        upload_server.statuses = [503]  # the first upload is refused: the monitor must retry
+        monitor = MonitorProcess(
+            [
+                "--experiment_prefix",
+                prefix,
+                *FAST,
+                "--refresh_period",
+                "1",
+                "--metrics_path",
+                str(out / "metrics.jsonl"),
+                "--store_checkpoints",
+                "--repo_path",
+                str(out / "checkpoints"),
+                "--save_checkpoint_step_interval",
+                "2",
+                "--keep_checkpoints",
+                "3",
+                "--upload_interval",
+                "4",
+                "--upload_to",
+                upload_server.url + "/upload",
+                "--web_token",
+                TOKEN,
+            ],
+            out / "M.log",
+        )
+        peers: dict[str, LocalProcess] = {}
+        reader = intruder = None
+        try:
+            join = monitor.join_flags(timeout=120)
+            common = ["--experiment_prefix", prefix, *FAST, *join, "--statistics_expiration", "120"]
+            peers["A"] = PeerProcess(
+                [*common, "--max_steps", str(MAX_STEPS + 2), "--output_dir", str(out / "A")], out / "A.log"
+            )
+            peers["B"] = PeerProcess(
+                [*common, "--max_steps", str(MAX_STEPS), "--output_dir", str(out / "B")], out / "B.log"
+            )
+            validators, _ = make_validators(prefix)
+            reader = start_dht(
+                PeerArguments(experiment_prefix=prefix, initial_peers=join[1:]), validators, client_mode=True
+            )
+            intruder = hivemind.DHT(initial_peers=join[1:], client_mode=True, start=True)
+            result = Collaboration(prefix, monitor, peers, {}, out, upload_server)
+
+            def poll() -> bool:
+                records = read_metrics(reader, prefix)
+                result.metrics_seen.append({k: LocalMetrics.parse_obj(v) for k, (v, _) in records.items()})
+                if records and result.forged_store_accepted is None:
+                    victim = next(iter(records))
+                    result.forged_store_accepted, result.malformed_store_accepted = try_forgeries(
+                        intruder, prefix, victim
+                    )
+                if current_step(records) >= 2 and "C" not in peers:
+                    peers["C"] = PeerProcess(
+                        [*common, "--statistics_expiration", str(C_EXPIRATION), "--output_dir", str(out / "C")],
+                        out / "C.log",
+                    )
+                if "C" in peers and result.killed_c_at_step is None and len(peers["C"].averaging_group_sizes()) >= 2:
+                    peers["C"].process.send_signal(signal.SIGKILL)
+                    result.killed_c_at_step = current_step(records)
+                return all(peers[name].process.poll() is not None for name in "AB")
+
+            wait_until(poll, timeout=420, what="A and B to reach their max_steps and exit", poll=1.0)
+            result.exit_codes = {name: peer.wait(timeout=30) for name, peer in peers.items()}
+            result.monitor_alive_after_kill = monitor.process.poll() is None
+            wait_until(lambda: upload_server.accepted, timeout=30, what="the monitor's first accepted upload")
+            monitor.process.send_signal(signal.SIGTERM)
+            result.monitor_exit_code = monitor.wait(timeout=30)
+            yield result
+        finally:
+            for process in [*peers.values(), monitor]:
+                process.stop()
+            for dht in (reader, intruder):
+                if dht is not None:
+                    dht.shutdown()
+
+
+def final_epoch(log: str) -> int:
+    match = re.search(r"Stopped at global epoch (\d+)", log)
+    assert match, "peer did not log its final epoch"
+    return int(match.group(1))
+
+
+def test_peers_reach_their_max_steps_and_exit_cleanly(collaboration):
+    assert collaboration.exit_codes == {"A": 0, "B": 0, "C": -signal.SIGKILL}
+    assert final_epoch(collaboration.peers["A"].log()) == MAX_STEPS + 2
+    assert final_epoch(collaboration.peers["B"].log()) == MAX_STEPS
+
+
+def test_peers_average_gradients_with_each_other(collaboration):
+    for name in "AB":
+        rounds = collaboration.peers[name].averaging_group_sizes()
+        assert len(rounds) >= MAX_STEPS - 4, f"peer {name} averaged only {len(rounds)} times"
+        assert max(rounds) >= 2
+
+
+def test_parameters_agree_within_fp16_tolerance(collaboration):
+    a, b = (load_file(str(collaboration.output / name / "model.safetensors")) for name in "AB")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=3e-3, rtol=1e-2, msg=f"A and B differ in {name}")
+    initial = initial_parameters()
+    moved = max((a[name] - initial[name]).abs().max().item() for name in a)
+    assert moved > 0.01, "parameters barely moved: the peers did not train"
+
+
+def initial_parameters() -> dict[str, torch.Tensor]:
+    """The parameters every peer started from: the tiny default model with the default seed."""
+    from arguments import DatasetArguments, TrainingArguments
+    from trainer.model import build_model, load_tokenizer
+
+    model, _ = build_model(DatasetArguments(), load_tokenizer(DatasetArguments()), seed=TrainingArguments.seed)
+    return model.state_dict()
+
+
+def test_late_peer_loads_state_from_peers_and_contributes(collaboration):
+    log = collaboration.peers["C"].log()
+    start = re.search(r"Starting at global epoch (\d+)", log)
+    assert start and int(start.group(1)) >= 2, "the late peer did not download the collaboration's state"
+    assert len(collaboration.peers["C"].averaging_group_sizes()) >= 2
+
+
+def test_outside_client_sees_every_peer_with_falling_loss(collaboration):
+    peers_seen = set().union(*(seen.keys() for seen in collaboration.metrics_seen))
+    assert len(peers_seen) == 3
+    assert all(b"[owner:" in key for key in peers_seen)
+
+
+def test_forged_and_malformed_records_are_rejected(collaboration):
+    assert collaboration.forged_store_accepted is False
+    assert collaboration.malformed_store_accepted is False
+    for seen in collaboration.metrics_seen:
+        assert b"intruder" not in seen
+        assert all(metrics.step != FORGED_STEP for metrics in seen.values())
+
+
+def test_monitor_writes_one_line_per_step_with_alive_peers_and_falling_loss(collaboration):
+    lines = collaboration.metrics_lines()
+    assert all(set(line) == {"step", "loss", "alive_peers", "samples", "samples_per_second", "time"} for line in lines)
+    steps = [line["step"] for line in lines]
+    assert steps == sorted(set(steps)) and steps[-1] >= MAX_STEPS
+    assert max(line["alive_peers"] for line in lines) == 3
+    losses = [line["loss"] for line in lines if line["loss"] is not None]
+    assert losses[-1] < losses[0] - 0.3
+    console = [line for line in collaboration.monitor.log().splitlines() if re.search(r"step \d+  loss ", line)]
+    assert len(console) == len(lines)
+
+
+def test_monitor_survives_a_killed_peer_and_stops_counting_it(collaboration):
+    assert collaboration.killed_c_at_step is not None
+    assert collaboration.monitor_alive_after_kill and collaboration.monitor_exit_code == 0
+    lines = collaboration.metrics_lines()
+    three = [line["time"] for line in lines if line["alive_peers"] == 3]
+    assert three, "the monitor never counted 3 peers"
+    after = [line for line in lines if line["time"] > max(three)]
+    assert after and all(line["alive_peers"] == 2 for line in after)
+    assert "Traceback" not in collaboration.monitor.log()
+
+
+def test_checkpoint_matches_the_peers_parameters_and_loads(collaboration):
+    valid, invalid = list_checkpoints(collaboration.output / "checkpoints")
+    assert not invalid and 1 <= len(valid) <= 3
+    folder, manifest = valid[-1]
+    assert manifest.step >= MAX_STEPS and manifest.peers >= 1
+    model = AutoModelForMaskedLM.from_pretrained(folder)
+    final_a = load_file(str(collaboration.output / "A" / "model.safetensors"))
+    for name, tensor in model.state_dict().items():
+        if name in final_a:
+            torch.testing.assert_close(tensor, final_a[name], atol=3e-3, rtol=1e-2, msg=f"{name} differs from A's")
+
+
+def test_checkpoint_uploaded_after_a_refusal(collaboration):
+    server = collaboration.upload_server
+    assert len(server.refused) >= 1 and server.accepted
+    request = server.accepted[-1]
+    assert request.path == "/upload" and request.headers["Authorization"] == f"Bearer {TOKEN}"
+    form = request.form()
+    assert hashlib.sha256(form["archive"]).hexdigest() == form["sha256"].decode()
+    with tarfile.open(fileobj=io.BytesIO(form["archive"])) as tar:
+        names = tar.getnames()
+    assert f"{int(form['step'])}/manifest.json" in names and f"{int(form['step'])}/model.safetensors" in names
+
+
+def test_trainer_resumes_from_a_checkpoint_when_no_peer_is_online(collaboration, tmp_path):
+    folder, manifest = list_checkpoints(collaboration.output / "checkpoints")[0][-1]
+    peer = PeerProcess(
+        [
+            "--experiment_prefix",
+            f"resume{int(time.time())}",
+            "--resume_from",
+            str(folder),
+            "--target_batch_size",
+            "32",
+            "--total_steps",
+            "1000",
+            "--max_steps",
+            str(manifest.step + 1),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        tmp_path / "resume.log",
+    )
+    try:
+        assert peer.wait(timeout=180) == 0
+    finally:
+        peer.stop()
+    log = peer.log()
+    assert f"Resumed from checkpoint {folder} (global epoch {manifest.step})" in log
+    assert f"Starting at global epoch {manifest.step}" in log
+    first_loss = float(re.search(rf"epoch {manifest.step + 1} \| loss ([\d.]+)", log).group(1))
+    assert first_loss < 7.5, "a resumed peer should start near the checkpoint's loss, not at a fresh model's ~8.3"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_cleanly_and_saves_the_model(tmp_path, sample_data, signum):
+    argv = [
+        "--experiment_prefix",
+        f"sig{signum}",
+        "--target_batch_size",
+        "100000",
+        "--output_dir",
+        str(tmp_path / "m"),
+    ]
+    peer = PeerProcess(argv, tmp_path / "peer.log")
+    try:
+        wait_until(
+            lambda: "Starting at global epoch" in peer.log() or peer.process.poll() is not None,
+            120,
+            "the peer to start training",
+        )
+        started = time.monotonic()
+        peer.process.send_signal(signum)
+        assert peer.wait(timeout=30) == 0
+        assert time.monotonic() - started < 30
+    finally:
+        peer.stop()
+    assert (tmp_path / "m" / "model.safetensors").exists()
+    assert f"Received {signal.Signals(signum).name}" in peer.log()
+    assert "Traceback" not in peer.log()
+
+
+def test_unreachable_initial_peer_fails_fast_with_a_clear_message(tmp_path, sample_data):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGSiXnbyZEN46UhS1odotVQFtBHtxH5gfoJHwGhNiwYDd"
+    peer = PeerProcess(["--initial_peers", dead, "--bootstrap_timeout", "5"], tmp_path / "peer.log")
+    try:
+        assert peer.wait(timeout=120) == 2
+    finally:
+        peer.stop()
+    last_line = peer.log().strip().splitlines()[-1]
+    assert last_line.startswith("run_trainer.py: error: --initial_peers:") and "answered" in last_line
