@@ -7,9 +7,9 @@ import email.parser
 import email.policy
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
