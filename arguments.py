@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from transformers import HfArgumentParser
 
@@ -106,6 +106,20 @@ class PeerArguments:
         default=15.0,
         metadata={"help": "Seconds to wait for the initial peers to answer before giving up with an error"},
     )
+    authorization_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Web app join endpoint (http://HOST:8000/api/experiments/ID/join): when set, this peer gets an "
+            "access token there and accepts only DHT requests from peers holding one; unset: no access control"
+        },
+    )
+    web_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "The experiment token the web app shows, for --authorization_url, --report_url and http(s) "
+            "uploads; unset: --config_token"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.experiment_prefix or not all(c.isalnum() or c in "_-." for c in self.experiment_prefix):
@@ -116,6 +130,8 @@ class PeerArguments:
         if not self.host_maddrs:
             _fail("host_maddrs", "give at least one address to listen on, e.g. /ip4/127.0.0.1/tcp/0")
         _require_positive(self, "bootstrap_timeout")
+        if self.authorization_url is not None and not self.authorization_url.startswith(("http://", "https://")):
+            _fail("authorization_url", f"must be an http(s):// URL (got {self.authorization_url!r})")
 
 
 @dataclass
@@ -254,23 +270,64 @@ class CollaborationArguments:
 
 @dataclass
 class DatasetArguments:
-    """What to train: the model and the tokenized data."""
+    """What to train: the task, the model and the data."""
 
+    task: Literal["mlm", "clm", "seq-cls", "qa"] = field(
+        default="mlm",
+        metadata={
+            "help": "What the collaboration trains: mlm (masked LM, BERT-like), clm (causal LM, GPT-2-like), "
+            "seq-cls (classification: BoolQ's question/passage/label or text/label) or qa (extractive QA: "
+            "SQuAD's id/question/context/answers)"
+        },
+    )
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "Local folder or Hugging Face model name to start from (masked LM for BERT-like models, causal "
-            "LM for GPT-2-like); unset: a tiny BERT built from a config, no download"
+            "help": "Local folder or Hugging Face model name to start from; a head the task needs and the "
+            "checkpoint lacks is initialised (a warning lists it); unset: a tiny BERT built from a config, "
+            "no download"
         },
     )
     dataset_path: str = field(
         default="data/sample/tokenized",
-        metadata={"help": "Tokenized dataset saved with datasets.save_to_disk (build it with `make data`)"},
+        metadata={
+            "help": "Training data: for mlm/clm a tokenized dataset saved by `make data`; for seq-cls/qa a "
+            "`datasets` name, a folder saved with save_to_disk, or a .json/.jsonl/.csv file"
+        },
+    )
+    validation_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation data in the same format as dataset_path; unset: the 'validation' split of "
+            "dataset_path"
+        },
     )
     tokenizer_path: str = field(
         default="data/sample/tokenizer",
         metadata={"help": "Tokenizer folder, used when --model_name_or_path has none of its own"},
     )
+    num_labels: int = field(
+        default=2, metadata={"help": "Number of classes for --task seq-cls, labelled 0..num_labels-1 (classes)"}
+    )
+    max_seq_length: int = field(
+        default=128,
+        metadata={
+            "help": "Longest input for seq-cls and qa (tokens, question included); longer texts are cut, longer "
+            "QA contexts split into windows. 384 is usual for SQuAD on BERT-base"
+        },
+    )
+    doc_stride: int = field(
+        default=32,
+        metadata={"help": "Overlap between consecutive windows of a long QA context (tokens); 128 with 384"},
+    )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "num_labels", "max_seq_length", "doc_stride")
+        if self.task == "seq-cls" and self.num_labels < 2:
+            _fail("num_labels", f"a classifier needs at least 2 classes (got {self.num_labels})")
+        if self.doc_stride >= self.max_seq_length // 2:
+            half = self.max_seq_length // 2
+            _fail("doc_stride", f"must be under half of --max_seq_length ({self.doc_stride} >= {half})")
 
 
 @dataclass
@@ -377,16 +434,21 @@ class MonitorArguments:
             "or hf://owner/repo on the Hugging Face Hub"
         },
     )
-    web_token: str | None = field(
-        default=None,
+    eval_every_checkpoints: int = field(
+        default=1,
         metadata={
-            "help": "Bearer token for report_url and http(s) uploads (the experiment token the web app shows); "
-            "unset: --config_token"
+            "help": "Evaluate every this many saved checkpoints on --validation_path (checkpoints); 0: never"
         },
+    )
+    eval_max_examples: int = field(
+        default=500,
+        metadata={"help": "Largest number of validation examples one evaluation reads (examples)"},
     )
 
     def __post_init__(self) -> None:
         _require_positive(self, "refresh_period", "save_checkpoint_step_interval", "keep_checkpoints")
+        _require_positive(self, "eval_max_examples")
+        _require_non_negative(self, "eval_every_checkpoints")
         if self.upload_interval is not None:
             _require_positive(self, "upload_interval")
             if not self.upload_to:

@@ -11,20 +11,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from arguments import MONITOR_ARGUMENTS, split_config_flags
+from arguments import MONITOR_ARGUMENTS
 from collab.entry import run_program
 from monitor.run import run_monitor
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    _, config_token, _ = split_config_flags(argv)
-
-    def run(*arguments, stop):
-        token = arguments[-1].web_token or config_token  # MonitorArguments comes last
-        return run_monitor(*arguments, stop=stop, token=token)
-
-    return run_program("run_training_monitor.py", MONITOR_ARGUMENTS, run, argv)
+    return run_program("run_training_monitor.py", MONITOR_ARGUMENTS, run_monitor, argv)
 
 
 if __name__ == "__main__":

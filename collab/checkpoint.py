@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from collab.faults import pause_checkpoint_write
 from collab.storage import atomic_directory
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def write_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         torch.save(optimizer_state, staging / OPTIMIZER_STATE)
+        pause_checkpoint_write(target)
         files = {name: sha256_file(staging / name) for name in _files_under(staging)}
         manifest = Manifest(step=step, loss=loss, peers=peers, time=time.time(), files=files)
         with open(staging / MANIFEST, "w") as f:

@@ -9,6 +9,7 @@ import hivemind
 from hivemind.dht.validation import RecordValidatorBase
 
 from arguments import PeerArguments
+from collab.access import WebAppAuthorizer
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +26,18 @@ def join_command_line(maddrs: Sequence[str]) -> str:
 def start_dht(
     peer_args: PeerArguments,
     record_validators: Sequence[RecordValidatorBase] = (),
-    authorizer=None,
     client_mode: bool | None = None,
 ) -> hivemind.DHT:
     """Start a DHT node (in its own process) and log the line other peers use to join.
 
-    ``client_mode`` overrides ``peer_args.client_mode`` (the monitor is never a client).
+    ``client_mode`` overrides ``peer_args.client_mode`` (the monitor is never a client). With
+    ``--authorization_url`` the node first gets an access token from the web app (AccessError if refused).
     """
     client_mode = peer_args.client_mode if client_mode is None else client_mode
+    authorizer = None
+    if peer_args.authorization_url:
+        authorizer = WebAppAuthorizer(peer_args.authorization_url, peer_args.web_token)
+        authorizer.fetch_first_token()
     try:
         dht = hivemind.DHT(
             start=True,

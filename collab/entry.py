@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 from hivemind.utils.logging import use_hivemind_log_handler
 
-from arguments import parse_args_or_exit
+from arguments import PeerArguments, parse_args_or_exit, split_config_flags
+from collab.access import AccessError
 from collab.checkpoint import CheckpointError
 from collab.dht import DHTStartError
 from collab.signals import install_stop_handlers
@@ -25,12 +26,17 @@ def run_program(
     """Parse ``argv`` into ``dataclass_types``, call ``run(*arguments, stop=event)``; 0 on success, 2 on bad input."""
     use_hivemind_log_handler("in_root_logger")
     logging.getLogger().setLevel(logging.INFO)
+    argv = list(sys.argv[1:] if argv is None else argv)
     arguments = parse_args_or_exit(dataclass_types, argv, prog=prog)
+    _, config_token, _ = split_config_flags(argv)
+    for args in arguments:
+        if isinstance(args, PeerArguments) and args.web_token is None:
+            args.web_token = config_token  # one credential for the config, the join endpoint and the reports
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
         run(*arguments, stop=stop)
-    except (SetupError, DHTStartError, CheckpointError) as e:
+    except (SetupError, DHTStartError, CheckpointError, AccessError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -6,6 +6,7 @@ The trainer wraps it in ``hivemind.Optimizer``; the monitor rebuilds exactly the
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable
 
@@ -133,6 +134,20 @@ def build_optimizer(
         tracker_opts=tracker_opts,
         verbose=True,
     )
+
+
+def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> None:
+    """Before leaving: let the background optimizer step and averaging round finish for at most ``timeout`` seconds,
+    then apply what finished.
+
+    The optimizer step comes first in the background update, so it is kept even when the averaging round hangs
+    because the partner already left (hivemind would otherwise wait the whole ``averaging_timeout``).
+    """
+    averager = optimizer.state_averager
+    done, pending = concurrent.futures.wait(list(averager.pending_updates), timeout=timeout)
+    if pending:
+        logger.info("Leaving without the last background averaging round (no answer in %.0f s)", timeout)
+    averager.step(wait_for_delayed_updates=False, apply_delayed_updates=True)
 
 
 def build_state_averager(

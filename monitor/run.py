@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from hivemind.utils import get_dht_time
 
 from arguments import (
+    SECRET_SETTINGS,
     AveragerArguments,
     DatasetArguments,
     MonitorArguments,
@@ -27,7 +28,7 @@ from collab.optim import build_state_averager
 from collab.schema import make_validators, read_metrics
 from monitor.aggregate import SwarmMetrics, aggregate
 from monitor.checkpoints import CheckpointSaver
-from monitor.sinks import Sink, build_sinks, write_all
+from monitor.sinks import Sink, build_sinks, last_step_in, write_all
 from monitor.upload import Uploader, make_target
 
 logger = logging.getLogger(__name__)
@@ -39,28 +40,38 @@ class MonitorState:
 
     last_step: int | None = None
     history: list[SwarmMetrics] = field(default_factory=list)
+    pending_evaluation: dict[str, float] = field(default_factory=dict)
 
 
 def refresh(dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None) -> None:
-    """One refresh: read the records, report a new global step to every sink, save a checkpoint when due."""
+    """One refresh: read the records, save a checkpoint when due (and evaluate it when that is due), then report a
+    new global step to every sink; an evaluation's ``eval_*`` keys ride on the first step reported after it."""
     metrics = aggregate(read_metrics(dht, prefix), get_dht_time())
     if metrics is None:
         logger.debug("No live metrics records yet")
         return
+    if saver is not None and saver.maybe_save(metrics.step, metrics.loss, metrics.alive_peers) is not None:
+        state.pending_evaluation.update(saver.evaluate())
     if metrics.step != state.last_step:
         state.last_step = metrics.step
         state.history.append(metrics)
-        write_all(sinks, metrics.to_dict())
-    if saver is not None:
-        saver.maybe_save(metrics.step, metrics.loss, metrics.alive_peers)
+        write_all(sinks, {**metrics.to_dict(), **state.pending_evaluation})
+        state.pending_evaluation.clear()
 
 
 def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args):
-    """The state averager (the trainers' own optimizer factory) and the saver around it."""
+    """The state averager (the trainers' own optimizer factory) and the saver around it, evaluating as asked."""
+    from trainer.evaluate import CheckpointEvaluator
     from trainer.model import build_model, load_tokenizer
+    from trainer.tasks import TASKS
 
     tokenizer = load_tokenizer(dataset_args)
     model, _ = build_model(dataset_args, tokenizer, training_args.seed)
+    evaluator = None
+    if monitor_args.eval_every_checkpoints > 0:
+        task = TASKS[dataset_args.task]
+        every, limit = monitor_args.eval_every_checkpoints, monitor_args.eval_max_examples
+        evaluator = CheckpointEvaluator(task, dataset_args, tokenizer, every, limit)
     averager = build_state_averager(model, dht, peer_args, optimizer_args, averager_args, training_args)
     saver = CheckpointSaver(
         averager,
@@ -71,6 +82,7 @@ def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_a
         monitor_args.keep_checkpoints,
         optimizer_args.load_state_timeout,
         retry_period=monitor_args.refresh_period,
+        evaluator=evaluator,
     )
     return averager, saver
 
@@ -83,16 +95,22 @@ def run_monitor(
     training_args: TrainingArguments,
     monitor_args: MonitorArguments,
     stop: threading.Event,
-    token: str | None = None,
 ) -> MonitorState:
-    """Run until ``stop`` is set. ``token`` authenticates web reports and http uploads (--web_token/--config_token)."""
+    """Run until ``stop`` is set. ``peer_args.web_token`` authenticates web reports and http uploads."""
+    token = peer_args.web_token
     validators, _ = make_validators(peer_args.experiment_prefix)
     dht = start_dht(peer_args, validators, client_mode=False)
     config = to_config(peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args)
-    config.pop("web_token", None)
+    for secret in SECRET_SETTINGS:
+        config.pop(secret, None)
     sinks = build_sinks(monitor_args, peer_args.experiment_prefix, token, config)
     averager = saver = uploader = None
-    state = MonitorState()
+    state = MonitorState(last_step=last_step_in(monitor_args.metrics_path))
+    if state.last_step is not None and not peer_args.initial_peers:
+        logger.warning(
+            "Restarted without --initial_peers: the peers forgot this node when it went down. If the collaboration "
+            "is still running, restart with --initial_peers of any live peer (every trainer logs its own address)"
+        )
     try:
         if monitor_args.store_checkpoints:
             averager, saver = build_checkpointing(

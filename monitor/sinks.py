@@ -47,6 +47,8 @@ class JsonLinesSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        if self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n"):
+            self._file.write("\n")  # a crash cut the last line short: start on a fresh one
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(_json_safe(record)) + "\n")
@@ -54,6 +56,18 @@ class JsonLinesSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def last_step_in(path: str | os.PathLike | None) -> int | None:
+    """The step of the last complete line of a metrics file (a restarted monitor goes on after it)."""
+    if not path or not Path(path).exists():
+        return None
+    for line in reversed(Path(path).read_text(encoding="utf-8", errors="replace").splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    return None
 
 
 class WandbSink:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
 AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
@@ -30,12 +38,20 @@ def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
 class LocalProcess:
     """One ``run_trainer.py`` (or ``script``) process whose output goes to a log file."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path, env: dict | None = None, script: str = "run_trainer.py"):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict | None = None,
+        script: str = "run_trainer.py",
+        prefix: Sequence[str] = (),
+    ):
+        """``prefix`` runs the program through another command, e.g. ``("ip", "netns", "exec", "ns1")``."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / script), *argv],
+            [*prefix, sys.executable, str(ROOT / script), *argv],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -71,6 +87,12 @@ class LocalProcess:
             if self.process.returncode is not None:
                 self._log.close()
 
+    def crash(self) -> int:
+        """SIGKILL the whole process group (the hivemind daemons too), as a machine that loses power would."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.wait(30)
+
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (clean shutdown), then SIGKILL if it is still running after ``timeout`` seconds."""
         if self.process.poll() is None:
@@ -84,9 +106,11 @@ class LocalProcess:
         return self.process.returncode
 
 
-def PeerProcess(argv: Sequence[str], log_path: Path, env: dict | None = None) -> LocalProcess:  # noqa: N802
+def PeerProcess(  # noqa: N802
+    argv: Sequence[str], log_path: Path, env: dict | None = None, prefix: Sequence[str] = ()
+) -> LocalProcess:
     """A ``run_trainer.py`` process."""
-    return LocalProcess(argv, log_path, env, script="run_trainer.py")
+    return LocalProcess(argv, log_path, env, script="run_trainer.py", prefix=prefix)
 
 
 def MonitorProcess(argv: Sequence[str], log_path: Path, env: dict | None = None) -> LocalProcess:  # noqa: N802

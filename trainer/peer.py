@@ -18,14 +18,18 @@ from arguments import (
 )
 from collab.callback import CollaborativeCallback
 from collab.dht import start_dht
-from collab.optim import build_optimizer
+from collab.faults import install_training_faults
+from collab.optim import build_optimizer, finish_delayed_updates
 from collab.schema import make_validators
 from collab.storage import atomic_directory
-from trainer.data import batch_stream, load_train_split, make_collator, peer_data_seed
+from trainer.data import batch_stream, peer_data_seed
 from trainer.loop import TrainingSummary, train
 from trainer.model import build_model, load_tokenizer
+from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_AVERAGING_WAIT = 10.0  # seconds a departing peer waits for its last background averaging round
 
 def training_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,14 +49,16 @@ def run_peer(
     device = training_device()
     if training_args.fp16 and device.type != "cuda":
         logger.info("fp16 needs CUDA: training in fp32 on %s", device.type)
+    task = TASKS[dataset_args.task]
     tokenizer = load_tokenizer(dataset_args)
-    model, task = build_model(dataset_args, tokenizer, training_args.seed)
+    model, _ = build_model(dataset_args, tokenizer, training_args.seed)
     model.to(device)
-    dataset = load_train_split(dataset_args.dataset_path)
+    dataset = task.train_dataset(dataset_args, tokenizer)
+    collator = task.collator(tokenizer)
     logger.info(
-        "Model %s (%s, %.2fM parameters); %d training blocks from %s",
+        "Model %s (--task %s, %.2fM parameters); %d training rows from %s",
         type(model).__name__,
-        task,
+        task.name,
         sum(p.numel() for p in model.parameters()) / 1e6,
         len(dataset),
         dataset_args.dataset_path,
@@ -72,13 +78,14 @@ def run_peer(
             collaboration_args.statistics_expiration,
             collaboration_args.backup_every_steps,
         )
+        install_training_faults(model, optimizer, callback)
         callback.on_train_begin(collaboration_args.resume_from)
         batches = batch_stream(
             dataset,
-            make_collator(tokenizer, task),
+            collator,
             training_args.per_device_train_batch_size,
             peer_data_seed(training_args.seed, public_key),
-            task,
+            task.name,
             training_args.dataloader_num_workers,
         )
         summary = train(model, optimizer, callback, batches, training_args, device, stop)
@@ -86,7 +93,7 @@ def run_peer(
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
             # hivemind's shutdown announces the departure first, and peers would then skip our last round.
-            optimizer.state_averager.step(wait_for_delayed_updates=True)
+            finish_delayed_updates(optimizer, timeout=min(optimizer_args.averaging_timeout, SHUTDOWN_AVERAGING_WAIT))
             optimizer.shutdown()
         dht.shutdown()
 

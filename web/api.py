@@ -8,6 +8,8 @@ field names in ``loc``), 400 (upload whose sha256 does not match).
 from __future__ import annotations
 
 import asyncio
+import base64
+import logging
 import math
 import os
 import re
@@ -20,11 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from arguments import ConfigError
+from collab.access import issue_token, load_authority_key, new_authority_key, token_to_json
 from web.auth import check_experiment_access, is_admin, require_admin
 from web.forms import validated_config
 from web.store import Checkpoint, Experiment, Store
 from web.upload import receive_upload
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/api", tags=["experiments"])
 SHA256 = re.compile(r"[0-9a-f]{64}")
 _upload_locks: dict[int, asyncio.Lock] = {}
@@ -49,6 +53,14 @@ class ExperimentUpdate(BaseModel):
 class CloneIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+class JoinIn(BaseModel):
+    """A peer asking for an access token: its RSA public key (base64 DER, as hivemind serializes it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    public_key: str = Field(min_length=1, max_length=4096)
+    username: str = Field(default="peer", min_length=1, max_length=200)
 
 
 class MetricsIn(BaseModel):
@@ -179,6 +191,28 @@ def get_config(
     if old is None:
         raise HTTPException(404, f"experiment {experiment.id} has no version {version}")
     return old.config
+
+
+@router.post("/experiments/{experiment_id}/join")
+def join(body: JoinIn, request: Request, experiment: Experiment = Depends(experiment_for_token)) -> dict[str, Any]:
+    """A signed, expiring access token for this peer's public key (experiment token), and the authority's key.
+
+    Peers started with ``--authorization_url`` call this and accept DHT requests only from token holders.
+    """
+    try:
+        peer_key = base64.b64decode(body.public_key, validate=True)
+        authority = load_authority_key(store_of(request).authority_key(experiment.id, new_authority_key))
+        token = issue_token(authority, peer_key, body.username, request.app.state.settings.access_token_lifetime)
+    except ValueError:
+        raise HTTPException(
+            422, [{"type": "value_error", "loc": ["body", "public_key"], "msg": "not a base64 RSA public key"}]
+        ) from None
+    logger.info("Issued an access token for experiment %d to %s (until %s)", experiment.id, body.username,
+                token.expiration_time)
+    return {
+        "access_token": token_to_json(token),
+        "authority_public_key": base64.b64encode(authority.get_public_key().to_bytes()).decode(),
+    }
 
 
 @router.post("/experiments/{experiment_id}/metrics")

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from web.settings import WebSettings
 from web.store import Store
+from web.upload import remove_interrupted_uploads
 
 HERE = Path(__file__).resolve().parent
 UPLOAD_PATH = re.compile(r"/api/experiments/\d+/checkpoints")
@@ -121,6 +122,7 @@ def create_app(settings: WebSettings) -> FastAPI:
     app.state.settings = settings
     app.state.store = Store(settings.db)
     settings.upload_dir.mkdir(parents=True, exist_ok=True)
+    remove_interrupted_uploads(settings.upload_dir)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
     app.state.templates = Jinja2Templates(env=env)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

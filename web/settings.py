@@ -25,6 +25,7 @@ class WebSettings:
     public_url: str | None = None
     max_upload_mb: int = 4096
     max_request_kb: int = 1024
+    access_token_lifetime: float = 3600.0
 
     @property
     def upload_dir(self) -> Path:
@@ -57,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max_request_kb", type=int, default=1024, help="Largest request body other than uploads (KiB)"
     )
     parser.add_argument(
+        "--access_token_lifetime",
+        type=float,
+        default=3600.0,
+        help="Seconds an access token issued by /api/experiments/ID/join stays valid (peers refresh it)",
+    )
+    parser.add_argument(
         "--public_url",
         default=None,
         help="URL peers use to reach this app, shown in the join commands (default: http://HOST:PORT)",
@@ -75,7 +82,7 @@ def parse_web_args(argv: Sequence[str] | None = None, environ: dict | None = Non
         )
     if len(token) < MIN_ADMIN_TOKEN_CHARS:
         raise SettingsError(f"--admin_token: use at least {MIN_ADMIN_TOKEN_CHARS} characters")
-    for flag in ("port", "max_upload_mb", "max_request_kb"):
+    for flag in ("port", "max_upload_mb", "max_request_kb", "access_token_lifetime"):
         if getattr(args, flag) <= 0:
             raise SettingsError(f"--{flag}: must be a positive number (got {getattr(args, flag)})")
     if args.public_url and not args.public_url.startswith(("http://", "https://")):

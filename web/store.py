@@ -38,6 +38,10 @@ CREATE TABLE IF NOT EXISTS metrics (
     record TEXT NOT NULL,
     PRIMARY KEY (experiment_id, step)
 );
+CREATE TABLE IF NOT EXISTS authority_keys (
+    experiment_id INTEGER PRIMARY KEY REFERENCES experiments(id),
+    private_key BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     experiment_id INTEGER NOT NULL REFERENCES experiments(id),
     step INTEGER NOT NULL,
@@ -229,3 +233,13 @@ class Store:
                 (experiment_id, step),
             ).fetchone()
         return None if row is None else Checkpoint(**dict(row))
+
+    def authority_key(self, experiment_id: int, new_key) -> bytes:
+        """The experiment's access-token authority key (DER); ``new_key()`` makes it on first use."""
+        with self._transaction() as db:
+            row = db.execute("SELECT private_key FROM authority_keys WHERE experiment_id = ?", (experiment_id,)).fetchone()
+            if row is not None:
+                return bytes(row[0])
+            key = new_key()
+            db.execute("INSERT INTO authority_keys (experiment_id, private_key) VALUES (?, ?)", (experiment_id, key))
+            return key

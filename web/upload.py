@@ -8,6 +8,7 @@ place, so the caller can ``os.replace`` it atomically) and the upload stops at `
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from fastapi import HTTPException, Request
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
+
+logger = logging.getLogger(__name__)
 
 MAX_FIELD_BYTES = 1024
 MAX_FIELDS = 16
@@ -97,6 +100,15 @@ def _callbacks(state: _State) -> dict:
         state.file.sha256 = state.digest.hexdigest()
 
     return {name: function for name, function in locals().items() if name.startswith("on_")}
+
+
+def remove_interrupted_uploads(folder: Path) -> list[Path]:
+    """Delete the temporary files of uploads cut short by a crash of the app (``.upload-*.part``)."""
+    leftovers = sorted(folder.rglob(".upload-*.part"))
+    for path in leftovers:
+        logger.warning("Removing %s, left by an upload interrupted by a restart", path)
+        path.unlink(missing_ok=True)
+    return leftovers
 
 
 async def receive_upload(

@@ -1,10 +1,13 @@
-"""A real collaboration on 127.0.0.1, every node its own process, as the README runs it.
+"""A real collaboration on 127.0.0.1, every node its own process, as the README runs it, with faults.
 
-The monitor M starts first; trainers A and B join through its address; C joins once the collaboration has
-passed global epoch 2, contributes, and is then killed with SIGKILL. An outside DHT client reads the metrics
-while they train and tries to forge records. The learning rate reaches 0 at global epoch MAX_STEPS (total_steps),
-where B stops; A goes on two more epochs with frozen parameters, so the monitor's last checkpoint can be compared
-with A's final parameters. Afterwards a new trainer resumes from that checkpoint with no peers online.
+Timeline. The monitor M starts first on a fixed port and identity; trainers A and B join through its address.
+A is faulty (test faults: a NaN loss at epoch 3, NaN parameters at epoch 6) and must drop the batch and roll back.
+C joins once the collaboration has passed global epoch 2. M is killed with SIGKILL in the middle of its second
+checkpoint write and restarted with the same identity (M2). C contributes, then is killed with SIGKILL as an
+averaging round begins, and restarts as C2. An outside client reads the metrics, a stranger forges records and
+a peer with a valid signature publishes a NaN loss. The learning rate reaches 0 at global epoch MAX_STEPS
+(total_steps), where B and C2 stop; A goes on two more epochs with frozen parameters, so the monitor's last
+checkpoint can be compared with A's final parameters. Afterwards a new trainer resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
 import signal
 import tarfile
@@ -22,6 +26,7 @@ from pathlib import Path
 import hivemind
 import pytest
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
@@ -31,7 +36,7 @@ from collab.checkpoint import list_checkpoints
 from collab.dht import start_dht
 from collab.schema import LocalMetrics, make_validators, metrics_key, read_metrics
 from tests.conftest import RecordingServer, serve_recording
-from trainer.local import LocalProcess, MonitorProcess, PeerProcess, wait_until
+from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -49,25 +54,35 @@ FAST = [
 C_EXPIRATION = 8  # seconds C's metrics stay alive after it is killed
 FORGED_STEP = 10**6
 TOKEN = "upload-token"
+FAULTY = {"COLLAB_TEST_FAULTS": "nan_loss@3,nan_parameters@6"}
+MONITOR_CRASH = {"COLLAB_TEST_FAULTS": "pause_checkpoint_write@2=120"}
 
 
 @dataclass
 class Collaboration:
     prefix: str
-    monitor: LocalProcess
+    monitors: list[LocalProcess]
     peers: dict[str, LocalProcess]
     exit_codes: dict[str, int | None]
     output: Path
     upload_server: RecordingServer
-    killed_c_at_step: int | None = None
-    monitor_alive_after_kill: bool = False
+    killed_c_at: float | None = None
+    checkpoints_when_monitor_died: list[int] | None = None
+    invalid_when_monitor_died: list[str] = field(default_factory=list)
+    partial_save_left: bool = False
+    monitor_alive_at_end: bool = False
     monitor_exit_code: int | None = None
     metrics_seen: list[dict[bytes, LocalMetrics]] = field(default_factory=list)
     forged_store_accepted: bool | None = None
     malformed_store_accepted: bool | None = None
+    liar_key: bytes | None = None
 
     def metrics_lines(self) -> list[dict]:
         return [json.loads(line) for line in (self.output / "metrics.jsonl").read_text().splitlines()]
+
+    @property
+    def monitor_log(self) -> str:
+        return "".join(monitor.log() for monitor in self.monitors)
 
 
 def try_forgeries(intruder: hivemind.DHT, prefix: str, victim: bytes) -> tuple[bool, bool]:
@@ -79,58 +94,103 @@ def try_forgeries(intruder: hivemind.DHT, prefix: str, victim: bytes) -> tuple[b
     return bool(forged_ok), bool(malformed_ok)
 
 
+def publish_nan_loss(liar: hivemind.DHT, prefix: str, public_key: bytes) -> None:
+    """A peer that signs correctly but lies: its own record, with a NaN loss and a step far ahead."""
+    record = {
+        "step": FORGED_STEP + 1,
+        "samples_per_second": 1.0,
+        "samples_accumulated": 1,
+        "loss": math.nan,
+        "mini_steps": 1,
+    }
+    liar.store(metrics_key(prefix), record, get_dht_time() + 60, subkey=public_key)
+
+
 def current_step(records) -> int:
     return max((LocalMetrics.parse_obj(value).step for value, _ in records.values()), default=-1)
+
+
+def averaging_starts(peer: LocalProcess) -> int:
+    return peer.log().count("Beginning optimizer step")
 
 
 @pytest.fixture(scope="module")
 def collaboration(tmp_path_factory, sample_data):
     out = tmp_path_factory.mktemp("collab")
     prefix = f"itest{int(time.time())}"
+    repo = out / "checkpoints"
     with serve_recording() as upload_server:
         upload_server.statuses = [503]  # the first upload is refused: the monitor must retry
-        monitor = MonitorProcess(
-            [
-                "--experiment_prefix",
-                prefix,
-                *FAST,
-                "--refresh_period",
-                "1",
-                "--metrics_path",
-                str(out / "metrics.jsonl"),
-                "--store_checkpoints",
-                "--repo_path",
-                str(out / "checkpoints"),
-                "--save_checkpoint_step_interval",
-                "2",
-                "--keep_checkpoints",
-                "3",
-                "--upload_interval",
-                "4",
-                "--upload_to",
-                upload_server.url + "/upload",
-                "--web_token",
-                TOKEN,
-            ],
-            out / "M.log",
-        )
+        monitor_argv = [
+            "--experiment_prefix",
+            prefix,
+            *FAST,
+            "--host_maddrs",
+            f"/ip4/127.0.0.1/tcp/{free_port()}",
+            "--identity_path",
+            str(out / "monitor.key"),
+            "--refresh_period",
+            "1",
+            "--metrics_path",
+            str(out / "metrics.jsonl"),
+            "--store_checkpoints",
+            "--repo_path",
+            str(repo),
+            "--save_checkpoint_step_interval",
+            "2",
+            "--keep_checkpoints",
+            "3",
+            "--upload_interval",
+            "4",
+            "--upload_to",
+            upload_server.url + "/upload",
+            "--web_token",
+            TOKEN,
+        ]
+        monitors = [MonitorProcess(monitor_argv, out / "M.log", env=MONITOR_CRASH)]
         peers: dict[str, LocalProcess] = {}
-        reader = intruder = None
+        reader = intruder = liar = None
         try:
-            join = monitor.join_flags(timeout=120)
+            join = monitors[0].join_flags(timeout=120)
             common = ["--experiment_prefix", prefix, *FAST, *join, "--statistics_expiration", "120"]
             peers["A"] = PeerProcess(
-                [*common, "--max_steps", str(MAX_STEPS + 2), "--output_dir", str(out / "A")], out / "A.log"
+                [
+                    *common,
+                    "--max_steps",
+                    str(MAX_STEPS + 2),
+                    "--backup_every_steps",
+                    "2",
+                    "--output_dir",
+                    str(out / "A"),
+                ],
+                out / "A.log",
+                env=FAULTY,
             )
             peers["B"] = PeerProcess(
                 [*common, "--max_steps", str(MAX_STEPS), "--output_dir", str(out / "B")], out / "B.log"
             )
+            c_argv = [*common, "--statistics_expiration", str(C_EXPIRATION), "--max_steps", str(MAX_STEPS)]
             validators, _ = make_validators(prefix)
             reader = start_dht(
                 PeerArguments(experiment_prefix=prefix, initial_peers=join[1:]), validators, client_mode=True
             )
             intruder = hivemind.DHT(initial_peers=join[1:], client_mode=True, start=True)
-            result = Collaboration(prefix, monitor, peers, {}, out, upload_server)
+            liar_validator = RSASignatureValidator()  # signs its own records, skips the schema
+            liar = hivemind.DHT(
+                initial_peers=join[1:], client_mode=True, start=True, record_validators=[liar_validator]
+            )
+            result = Collaboration(prefix, monitors, peers, {}, out, upload_server)
+            result.liar_key = liar_validator.local_public_key
+            last_starts = {"C": 0}
+
+            def crash_monitor_mid_save() -> None:
+                monitors[0].crash()
+                valid, invalid = list_checkpoints(repo)
+                result.checkpoints_when_monitor_died = [manifest.step for _, manifest in valid]
+                result.invalid_when_monitor_died = [str(folder) for folder, _ in invalid]
+                result.partial_save_left = any(p.name.startswith(".tmp-") for p in repo.iterdir())
+                # as an operator would: the restarted first node finds the others through a live peer's address
+                monitors.append(MonitorProcess([*monitor_argv, *peers["B"].join_flags(60)], out / "M2.log"))
 
             def poll() -> bool:
                 records = read_metrics(reader, prefix)
@@ -140,27 +200,38 @@ def collaboration(tmp_path_factory, sample_data):
                     result.forged_store_accepted, result.malformed_store_accepted = try_forgeries(
                         intruder, prefix, victim
                     )
+                    publish_nan_loss(liar, prefix, result.liar_key)
                 if current_step(records) >= 2 and "C" not in peers:
-                    peers["C"] = PeerProcess(
-                        [*common, "--statistics_expiration", str(C_EXPIRATION), "--output_dir", str(out / "C")],
-                        out / "C.log",
-                    )
-                if "C" in peers and result.killed_c_at_step is None and len(peers["C"].averaging_group_sizes()) >= 2:
-                    peers["C"].process.send_signal(signal.SIGKILL)
-                    result.killed_c_at_step = current_step(records)
+                    peers["C"] = PeerProcess([*c_argv, "--output_dir", str(out / "C")], out / "C.log")
+                if len(monitors) == 1 and "Test fault: pausing the checkpoint write" in monitors[0].log():
+                    crash_monitor_mid_save()
+                ready_to_kill_c = (
+                    "C" in peers
+                    and "C2" not in peers
+                    and len(monitors) == 2
+                    and re.search(r"step \d+  loss", monitors[1].log())
+                    and len(peers["C"].averaging_group_sizes()) >= 2
+                )
+                if ready_to_kill_c:
+                    starts = averaging_starts(peers["C"])
+                    if starts > last_starts["C"] > 0:  # a round began since the last poll: C is mid-averaging
+                        peers["C"].crash()
+                        result.killed_c_at = time.time()
+                        peers["C2"] = PeerProcess([*c_argv, "--output_dir", str(out / "C2")], out / "C2.log")
+                    last_starts["C"] = starts
                 return all(peers[name].process.poll() is not None for name in "AB")
 
-            wait_until(poll, timeout=420, what="A and B to reach their max_steps and exit", poll=1.0)
-            result.exit_codes = {name: peer.wait(timeout=30) for name, peer in peers.items()}
-            result.monitor_alive_after_kill = monitor.process.poll() is None
+            wait_until(poll, timeout=480, what="A and B to reach their max_steps and exit", poll=0.5)
+            result.exit_codes = {name: peer.wait(timeout=60) for name, peer in peers.items()}
+            result.monitor_alive_at_end = monitors[-1].process.poll() is None
             wait_until(lambda: upload_server.accepted, timeout=30, what="the monitor's first accepted upload")
-            monitor.process.send_signal(signal.SIGTERM)
-            result.monitor_exit_code = monitor.wait(timeout=30)
+            monitors[-1].process.send_signal(signal.SIGTERM)
+            result.monitor_exit_code = monitors[-1].wait(timeout=30)
             yield result
         finally:
-            for process in [*peers.values(), monitor]:
+            for process in [*peers.values(), *monitors]:
                 process.stop()
-            for dht in (reader, intruder):
+            for dht in (reader, intruder, liar):
                 if dht is not None:
                     dht.shutdown()
 
@@ -172,7 +243,7 @@ def final_epoch(log: str) -> int:
 
 
 def test_peers_reach_their_max_steps_and_exit_cleanly(collaboration):
-    assert collaboration.exit_codes == {"A": 0, "B": 0, "C": -signal.SIGKILL}
+    assert collaboration.exit_codes == {"A": 0, "B": 0, "C": -signal.SIGKILL, "C2": 0}
     assert final_epoch(collaboration.peers["A"].log()) == MAX_STEPS + 2
     assert final_epoch(collaboration.peers["B"].log()) == MAX_STEPS
 
@@ -180,7 +251,7 @@ def test_peers_reach_their_max_steps_and_exit_cleanly(collaboration):
 def test_peers_average_gradients_with_each_other(collaboration):
     for name in "AB":
         rounds = collaboration.peers[name].averaging_group_sizes()
-        assert len(rounds) >= MAX_STEPS - 4, f"peer {name} averaged only {len(rounds)} times"
+        assert len(rounds) >= MAX_STEPS - 6, f"peer {name} averaged only {len(rounds)} times"
         assert max(rounds) >= 2
 
 
@@ -188,6 +259,7 @@ def test_parameters_agree_within_fp16_tolerance(collaboration):
     a, b = (load_file(str(collaboration.output / name / "model.safetensors")) for name in "AB")
     assert a.keys() == b.keys()
     for name in a:
+        assert torch.isfinite(a[name]).all() and torch.isfinite(b[name]).all(), f"{name} is not finite"
         torch.testing.assert_close(b[name], a[name], atol=3e-3, rtol=1e-2, msg=f"A and B differ in {name}")
     initial = initial_parameters()
     moved = max((a[name] - initial[name]).abs().max().item() for name in a)
@@ -203,6 +275,13 @@ def initial_parameters() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def test_faulty_peer_drops_the_bad_batch_and_rolls_back(collaboration):
+    log = collaboration.peers["A"].log()
+    assert "Test fault nan_loss injected" in log and "Dropping a mini-batch with non-finite loss" in log
+    assert "Test fault nan_parameters injected" in log and "restoring the backup (rollback #1)" in log
+    assert "Traceback" not in log
+
+
 def test_late_peer_loads_state_from_peers_and_contributes(collaboration):
     log = collaboration.peers["C"].log()
     start = re.search(r"Starting at global epoch (\d+)", log)
@@ -210,41 +289,70 @@ def test_late_peer_loads_state_from_peers_and_contributes(collaboration):
     assert len(collaboration.peers["C"].averaging_group_sizes()) >= 2
 
 
-def test_outside_client_sees_every_peer_with_falling_loss(collaboration):
+def test_killed_peer_restarts_loads_the_state_and_contributes_again(collaboration):
+    log = collaboration.peers["C2"].log()
+    start = re.search(r"Starting at global epoch (\d+)", log)
+    assert start and int(start.group(1)) >= 4
+    assert collaboration.peers["C2"].averaging_group_sizes(), "the restarted peer never averaged"
+
+
+def test_others_keep_stepping_after_a_peer_dies_mid_averaging(collaboration):
+    lines = collaboration.metrics_lines()
+    before = max(line["step"] for line in lines if line["time"] <= collaboration.killed_c_at)
+    soon_after = [
+        line["step"] for line in lines if collaboration.killed_c_at < line["time"] <= collaboration.killed_c_at + 60
+    ]
+    assert soon_after and max(soon_after) >= before + 2, "the collaboration stalled after a peer died mid-round"
+
+
+def test_outside_client_sees_every_peer(collaboration):
     peers_seen = set().union(*(seen.keys() for seen in collaboration.metrics_seen))
-    assert len(peers_seen) == 3
+    assert len(peers_seen) >= 3
     assert all(b"[owner:" in key for key in peers_seen)
 
 
-def test_forged_and_malformed_records_are_rejected(collaboration):
+def test_forged_malformed_and_non_finite_records_are_rejected(collaboration):
     assert collaboration.forged_store_accepted is False
     assert collaboration.malformed_store_accepted is False
     for seen in collaboration.metrics_seen:
-        assert b"intruder" not in seen
-        assert all(metrics.step != FORGED_STEP for metrics in seen.values())
+        assert b"intruder" not in seen and collaboration.liar_key not in seen
+        assert all(metrics.step < FORGED_STEP for metrics in seen.values())
+    assert all(line["step"] < FORGED_STEP and line["loss"] is not None for line in collaboration.metrics_lines()[1:])
 
 
 def test_monitor_writes_one_line_per_step_with_alive_peers_and_falling_loss(collaboration):
     lines = collaboration.metrics_lines()
     assert all(set(line) == {"step", "loss", "alive_peers", "samples", "samples_per_second", "time"} for line in lines)
     steps = [line["step"] for line in lines]
-    assert steps == sorted(set(steps)) and steps[-1] >= MAX_STEPS
-    assert max(line["alive_peers"] for line in lines) == 3
+    assert steps == sorted(set(steps)) and steps[-1] >= MAX_STEPS, "steps repeat or go back (across the restart)"
+    assert max(line["alive_peers"] for line in lines) >= 3
     losses = [line["loss"] for line in lines if line["loss"] is not None]
     assert losses[-1] < losses[0] - 0.3
-    console = [line for line in collaboration.monitor.log().splitlines() if re.search(r"step \d+  loss ", line)]
+    console = [line for line in collaboration.monitor_log.splitlines() if re.search(r"step \d+  loss ", line)]
     assert len(console) == len(lines)
 
 
 def test_monitor_survives_a_killed_peer_and_stops_counting_it(collaboration):
-    assert collaboration.killed_c_at_step is not None
-    assert collaboration.monitor_alive_after_kill and collaboration.monitor_exit_code == 0
-    lines = collaboration.metrics_lines()
-    three = [line["time"] for line in lines if line["alive_peers"] == 3]
-    assert three, "the monitor never counted 3 peers"
-    after = [line for line in lines if line["time"] > max(three)]
-    assert after and all(line["alive_peers"] == 2 for line in after)
-    assert "Traceback" not in collaboration.monitor.log()
+    assert collaboration.killed_c_at is not None
+    assert collaboration.monitor_alive_at_end and collaboration.monitor_exit_code == 0
+    after = [
+        line["alive_peers"]
+        for line in collaboration.metrics_lines()
+        if line["time"] > collaboration.killed_c_at + C_EXPIRATION + 2
+    ]
+    assert 2 in after, "the killed peer was still counted after its record expired"
+    assert "Traceback" not in collaboration.monitors[-1].log()
+
+
+def test_monitor_killed_mid_save_loses_no_checkpoint_and_resumes(collaboration):
+    assert collaboration.checkpoints_when_monitor_died, "the first checkpoint was not on disk when the monitor died"
+    assert not collaboration.invalid_when_monitor_died and collaboration.partial_save_left
+    restarted = collaboration.monitors[1].log()
+    assert "left by an interrupted save" in restarted
+    assert "Latest valid checkpoint: " in restarted
+    valid, invalid = list_checkpoints(collaboration.output / "checkpoints")
+    assert not invalid and not [p for p in (collaboration.output / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert valid[-1][1].step > max(collaboration.checkpoints_when_monitor_died), "saving did not resume"
 
 
 def test_checkpoint_matches_the_peers_parameters_and_loads(collaboration):

@@ -13,7 +13,7 @@ from transformers import AutoModelForMaskedLM
 from arguments import MonitorArguments
 from collab.checkpoint import read_manifest, write_checkpoint
 from monitor.checkpoints import is_due
-from monitor.sinks import HttpReportSink, JsonLinesSink, build_sinks
+from monitor.sinks import HttpReportSink, JsonLinesSink, build_sinks, last_step_in
 from monitor.upload import FolderTarget, HttpTarget, Uploader, backoff_delays, make_target
 from trainer.model import tiny_bert_config
 
@@ -35,6 +35,17 @@ def test_json_lines_file_gets_one_object_per_step(tmp_path):
     sink.close()
     lines = [json.loads(line) for line in (tmp_path / "sub" / "metrics.jsonl").read_text().splitlines()]
     assert lines == [STEP, {**STEP, "step": 4, "loss": None}]
+
+
+def test_a_restarted_monitor_goes_on_after_the_last_complete_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert last_step_in(path) is None and last_step_in(None) is None
+    path.write_text(json.dumps(STEP) + "\n" + json.dumps({**STEP, "step": 4}) + '\n{"step": 5, "lo')
+    assert last_step_in(path) == 4
+    sink = JsonLinesSink(path)
+    sink.write({**STEP, "step": 6})
+    sink.close()
+    assert last_step_in(path) == 6 and path.read_text().splitlines()[-2] == '{"step": 5, "lo'
 
 
 def test_sinks_are_chosen_once_from_the_settings(tmp_path):

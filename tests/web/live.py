@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,9 @@ from pathlib import Path
 
 import requests
 
-from trainer.local import wait_until  # noqa: F401  (re-exported for the web tests)
+from trainer.local import free_port, wait_until  # noqa: F401  (wait_until is re-exported for the web tests)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WebServer:
@@ -66,9 +59,9 @@ class WebServer:
 
 
 @contextmanager
-def running_web_server(folder: Path, admin_token: str) -> Iterator[WebServer]:
-    """A started and answering run_web.py, stopped on exit."""
-    server = WebServer(folder, admin_token)
+def running_web_server(folder: Path, admin_token: str, *extra: str) -> Iterator[WebServer]:
+    """A started and answering run_web.py (with ``extra`` flags), stopped on exit."""
+    server = WebServer(folder, admin_token, *extra)
     try:
         server.wait_ready()
         yield server
