@@ -21,9 +21,6 @@ from arguments import EXPERIMENT_ARGUMENTS, SECRET_SETTINGS, ConfigError, to_con
 
 TRUE_VALUES = frozenset({"on", "true", "1", "yes"})
 # A value the command-line parser would read as a flag (e.g. "--config URL" or "-h"): never let it through.
-_FLAG_LIKE = re.compile(r"^-(?![\d.])")
-
-
 @dataclass(frozen=True)
 class FormField:
     """One widget: ``kind`` is int, float, bool, text, list or choice; ``optional`` means empty is None."""
@@ -140,15 +137,6 @@ def display_values(config: Mapping[str, Any], sections: Sequence[FormSection]) -
     return values
 
 
-def _reject_flag_like(config: Mapping[str, Any]) -> None:
-    for key, value in config.items():
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str) and _FLAG_LIKE.match(item):
-                raise ConfigError(
-                    f"--{key}: a value must not start with '-' unless it is a number (got {item!r})", key
-                )
-
-
 def validated_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config to store: every setting, validated exactly as the command line does, secrets left out.
 
@@ -158,9 +146,5 @@ def validated_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"--{key}: a credential is never stored in an experiment config; pass it on the command line", key
         )
-    _reject_flag_like(config)
-    try:
-        instances = validate_config(dict(config))
-    except SystemExit:  # argparse's help action; _reject_flag_like should make this unreachable
-        raise ConfigError("config: a value was read as --help; remove values starting with '-'") from None
+    instances = validate_config(dict(config))  # values go in as --key=value: one that starts with '-' stays a value
     return {key: value for key, value in to_config(*instances).items() if key not in SECRET_SETTINGS}

@@ -237,7 +237,8 @@ class Store:
     def authority_key(self, experiment_id: int, new_key) -> bytes:
         """The experiment's access-token authority key (DER); ``new_key()`` makes it on first use."""
         with self._transaction() as db:
-            row = db.execute("SELECT private_key FROM authority_keys WHERE experiment_id = ?", (experiment_id,)).fetchone()
+            query = "SELECT private_key FROM authority_keys WHERE experiment_id = ?"
+            row = db.execute(query, (experiment_id,)).fetchone()
             if row is not None:
                 return bytes(row[0])
             key = new_key()

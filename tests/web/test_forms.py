@@ -106,7 +106,6 @@ def test_invalid_values_fail_like_the_command_line_naming_the_field():
     [
         ({"web_token": "s3cret"}, "web_token"),
         ({"initial_peers": ["--config", "http://169.254.169.254/"]}, "initial_peers"),
-        ({"output_dir": "-h"}, "output_dir"),
         ({"no_such_setting": 1}, "no_such_setting"),
     ],
 )
@@ -114,6 +113,10 @@ def test_secrets_flag_like_values_and_unknown_keys_are_refused(config, field_nam
     with pytest.raises(ConfigError) as error:
         validated_config(config)
     assert error.value.field == field_name
+
+
+def test_a_value_that_looks_like_a_flag_stays_a_value():
+    assert validated_config({"output_dir": "-h", "experiment_prefix": "--x"})["output_dir"] == "-h"
 
 
 def test_join_commands_are_ready_to_paste():
