@@ -24,7 +24,8 @@ def is_due(step: int, last_saved_step: int | None, interval: int) -> bool:
 class CheckpointSaver:
     """Every ``interval`` global steps: load the state from peers, write ``<repo_path>/<step>/``, keep the last N.
 
-    ``retry_period`` bounds how often a failed download is tried again (seconds).
+    ``retry_period`` bounds how often a failed download is tried again (seconds). ``evaluator`` scores the
+    downloaded model in memory after a save (see ``evaluate``).
     """
 
     def __init__(
@@ -37,11 +38,13 @@ class CheckpointSaver:
         keep: int,
         load_timeout: float,
         retry_period: float = 30.0,
+        evaluator=None,
     ):
         self.averager, self.model, self.tokenizer = state_averager, model, tokenizer
         self.repo_path, self.interval, self.keep = Path(repo_path), interval, keep
         self.load_timeout, self.retry_period = load_timeout, retry_period
         self._next_try = 0.0
+        self.evaluator = evaluator  # trainer.evaluate.CheckpointEvaluator, or None: never evaluate
         remove_partial_saves(self.repo_path)
         found = latest_checkpoint(self.repo_path)
         self.last_saved_step: int | None = found[1].step if found else None
@@ -65,6 +68,10 @@ class CheckpointSaver:
         removed = prune_checkpoints(self.repo_path, self.keep)
         logger.info("Saved checkpoint %s%s", folder, f" (removed {len(removed)} older)" if removed else "")
         return folder
+
+    def evaluate(self) -> dict[str, float]:
+        """``eval_*`` metrics of the model just saved when an evaluation is due (the evaluator counts saves)."""
+        return self.evaluator.after_checkpoint(self.model) if self.evaluator is not None else {}
 
     def download(self) -> int | None:
         """The global epoch of the state downloaded from peers, or None if no peer delivered one in time."""

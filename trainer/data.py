@@ -1,40 +1,103 @@
-"""Batches for one peer: a tokenized dataset on disk, the matching collator, and a per-peer data order."""
+"""Batches for one peer: a dataset from disk, a file or the Hub, the matching collator, and a per-peer data order.
+
+Language-model tasks read the tokenized blocks that ``python -m data.prepare`` saves; fine-tuning tasks read raw
+rows (``datasets`` names, folders saved with ``save_to_disk``, or json/jsonl/csv files) that their task prepares.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from datasets import Dataset, DatasetDict, load_from_disk
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
-from trainer.model import MASKED_LM, SetupError
+from collab.entry import SetupError
 
 logger = logging.getLogger(__name__)
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "special_tokens_mask")
+MASKED_LM, CAUSAL_LM = "mlm", "clm"
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "special_tokens_mask",
+    "labels",
+    "start_positions",
+    "end_positions",
+)
+DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
+def _is_local(source: str) -> bool:
+    """A path (absolute, relative with ./, nested, or a data file), as opposed to a ``datasets`` name like owner/x."""
+    return (
+        Path(source).exists()
+        or os.path.isabs(source)
+        or source.startswith(".")
+        or source.count("/") > 1
+        or Path(source).suffix in DATA_FILE_TYPES
+    )
+
+
+def load_rows(source: str, split: str = "train", flag: str = "--dataset_path") -> Dataset:
+    """One split of ``source``: a folder saved with ``save_to_disk``, a json/jsonl/csv file, or a ``datasets`` name.
+
+    A data file or a saved plain Dataset has one split: it is the ``train`` split of --dataset_path and the whole
+    of --validation_path. ``flag`` names the setting in error messages.
+    """
+    single_split_ok = split == "train" or flag == "--validation_path"
+    if not _is_local(source):
+        try:
+            return load_dataset(source, split=split)
+        except Exception as e:  # network, unknown name, missing split: all mean "this setting is wrong here"
+            raise SetupError(f"{flag}: cannot load the {split!r} split of dataset {source!r} ({e})") from None
+    path = Path(source)
+    if not path.exists():
+        raise SetupError(
+            f"{flag}: no tokenized dataset or data file at {source}: run `make data` first "
+            "(`python -m data.tasks` for the seq-cls/qa examples)"
+        )
+    if path.is_file():
+        if path.suffix not in DATA_FILE_TYPES:
+            raise SetupError(f"{flag}: {source} is not a .json, .jsonl or .csv file")
+        dataset = _read_data_file(path, flag)
+    else:
+        try:
+            dataset = load_from_disk(source)
+        except Exception as e:
+            raise SetupError(f"{flag}: {source} is not a dataset saved with save_to_disk ({e})") from None
+        if isinstance(dataset, DatasetDict):
+            if split not in dataset:
+                raise SetupError(f"{flag}: {source} has no {split!r} split (found {list(dataset)})")
+            return dataset[split]
+    if not single_split_ok:
+        raise SetupError(f"{flag}: {source} holds a single split; save a DatasetDict with {split!r}")
+    return dataset
+
+
+def _read_data_file(path: Path, flag: str) -> Dataset:
+    try:
+        return load_dataset(DATA_FILE_TYPES[path.suffix], data_files=str(path), split="train")
+    except Exception as e:
+        raise SetupError(f"{flag}: cannot read {path} ({e})") from None
 
 
 def load_split(dataset_path: str, split: str = "train") -> Dataset:
-    """One split of a dataset saved with ``save_to_disk`` (a plain Dataset is taken as the train split)."""
-    if not Path(dataset_path).exists():
-        raise SetupError(f"--dataset_path: no tokenized dataset at {dataset_path}: run `make data` first")
-    try:
-        dataset = load_from_disk(dataset_path)
-    except Exception as e:
-        raise SetupError(f"--dataset_path: {dataset_path} is not a dataset saved with save_to_disk ({e})") from None
-    if isinstance(dataset, DatasetDict):
-        if split not in dataset:
-            raise SetupError(f"--dataset_path: {dataset_path} has no {split!r} split (found {list(dataset)})")
-        dataset = dataset[split]
-    elif split != "train":
-        raise SetupError(f"--dataset_path: {dataset_path} holds a single split; save a DatasetDict with {split!r}")
+    """One split of a tokenized dataset saved with ``save_to_disk`` (a plain Dataset is taken as the train split)."""
+    return require_tokenized(load_rows(dataset_path, split), dataset_path)
+
+
+def require_tokenized(dataset: Dataset, source: str, flag: str = "--dataset_path") -> Dataset:
     if "input_ids" not in dataset.column_names or len(dataset) == 0:
-        raise SetupError(f"--dataset_path: {dataset_path} must hold tokenized rows with an 'input_ids' column")
+        raise SetupError(
+            f"{flag}: {source} must hold tokenized rows with an 'input_ids' column (build them with `make data`)"
+        )
     return dataset
 
 
@@ -54,7 +117,7 @@ def peer_data_seed(seed: int, peer_public_key: bytes) -> int:
 
 
 def model_inputs(dataset: Dataset, task: str) -> Dataset:
-    """The dataset as torch tensors of the columns the model and collator use."""
+    """The dataset as torch tensors of the columns the model and collator use (other columns stay in python)."""
     columns = [
         c for c in MODEL_INPUTS if c in dataset.column_names and (task == MASKED_LM or c != "special_tokens_mask")
     ]

@@ -1,14 +1,32 @@
-"""Held-out loss of a language model: comparable across checkpoints because the masking is seeded."""
+"""Held-out metrics of a model, one function per kind of task, and the monitor's every-N-checkpoints evaluator.
+
+Language models report ``eval_loss`` and ``eval_perplexity`` (comparable across checkpoints because the masking
+is seeded), classifiers ``eval_loss`` and ``eval_accuracy``, extractive QA ``eval_loss``, ``eval_exact_match`` and
+``eval_f1`` (SQuAD definitions, fractions in [0, 1]). These keys are what the web app's metrics API accepts.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trainer.data import make_collator, one_pass
+from trainer.metrics import accuracy, squad_scores
+from trainer.qa import predict_answers
+
+if TYPE_CHECKING:
+    from arguments import DatasetArguments
+    from trainer.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+EVAL_BATCH_SIZE = 16
 
 
 @torch.no_grad()
@@ -17,7 +35,7 @@ def language_model_loss(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
     task: str,
-    batch_size: int = 16,
+    batch_size: int = EVAL_BATCH_SIZE,
     seed: int = 0,
 ) -> float:
     """Mean loss over every block of ``dataset`` (masked or causal LM); the same ``seed`` masks the same tokens."""
@@ -38,3 +56,74 @@ def language_model_loss(
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+def language_model_metrics(model, dataset, tokenizer, task: str) -> dict[str, float]:
+    loss = language_model_loss(model, dataset, tokenizer, task)
+    return {"eval_loss": loss, "eval_perplexity": perplexity(loss)}
+
+
+@torch.no_grad()
+def _outputs(model: PreTrainedModel, dataset: Dataset, collator, task: str):
+    """(mean loss, per-batch model outputs) over every row of ``dataset``, in order."""
+    model.eval()
+    total, count, outputs = 0.0, 0, []
+    for batch in one_pass(dataset, collator, EVAL_BATCH_SIZE, task):
+        batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
+        output = model(**batch)
+        rows = len(batch["input_ids"])
+        total += output.loss.item() * rows
+        count += rows
+        outputs.append((batch, output))
+    return total / max(count, 1), outputs
+
+
+def classification_metrics(model, dataset: Dataset, tokenizer, collator) -> dict[str, float]:
+    """Loss and accuracy of the arg-max class."""
+    loss, outputs = _outputs(model, dataset, collator, "seq-cls")
+    predictions = [p for _, out in outputs for p in out.logits.argmax(-1).tolist()]
+    labels = [y for batch, _ in outputs for y in batch["labels"].tolist()]
+    return {"eval_loss": loss, "eval_accuracy": accuracy(predictions, labels)}
+
+
+def qa_metrics(model, features: Dataset, tokenizer, collator) -> dict[str, float]:
+    """Loss, exact match and F1 of the best span over each example's windows."""
+    loss, outputs = _outputs(model, features, collator, "qa")
+    starts, ends = [], []
+    for _, out in outputs:
+        starts += list(out.start_logits.float().cpu().numpy().astype(np.float32))
+        ends += list(out.end_logits.float().cpu().numpy().astype(np.float32))
+    answers = predict_answers(features, starts, ends)
+    scores = squad_scores([p for p, _ in answers.values()], [gold for _, gold in answers.values()])
+    return {"eval_loss": loss, "eval_exact_match": scores["exact_match"], "eval_f1": scores["f1"]}
+
+
+class CheckpointEvaluator:
+    """The monitor's evaluation: every ``every`` saved checkpoints, the task's metrics on a bounded validation set.
+
+    The validation set (``--validation_path``, else the ``validation`` split of ``--dataset_path``; at most
+    ``max_examples`` examples) is read and prepared at the first evaluation. Any failure is logged and gives no
+    metrics: the monitor goes on. Raise ``--eval_max_examples`` for a steadier figure, lower it if the monitor
+    falls behind the collaboration's steps.
+    """
+
+    def __init__(self, task: Task, dataset_args: DatasetArguments, tokenizer, every: int, max_examples: int):
+        self.task, self.dataset_args, self.tokenizer = task, dataset_args, tokenizer
+        self.every, self.max_examples = every, max_examples
+        self.saved = 0
+        self._dataset: Dataset | None = None
+
+    def after_checkpoint(self, model: PreTrainedModel) -> dict[str, float]:
+        """Count one saved checkpoint; the ``eval_*`` metrics of ``model`` when an evaluation is due, else {}."""
+        self.saved += 1
+        if self.every <= 0 or self.saved % self.every:
+            return {}
+        try:
+            if self._dataset is None:
+                self._dataset = self.task.validation(self.dataset_args, self.tokenizer, self.max_examples)
+            metrics = self.task.evaluate(model, self._dataset, self.tokenizer)
+        except Exception as e:
+            logger.warning("Evaluation failed (%s: %s); the next checkpoint will try again", type(e).__name__, e)
+            return {}
+        logger.info("Evaluation: %s", "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        return metrics

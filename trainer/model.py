@@ -1,4 +1,4 @@
-"""Model and tokenizer from --model_name_or_path, or the built-in tiny BERT that needs no download."""
+"""Model and tokenizer from --model_name_or_path, or the built-in tiny BERT that needs no download; --task's head."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
     AutoTokenizer,
     BertConfig,
     PreTrainedModel,
@@ -19,10 +17,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from arguments import DatasetArguments
 from collab.entry import SetupError
+from trainer.data import CAUSAL_LM, MASKED_LM
+from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
 
-MASKED_LM, CAUSAL_LM = "mlm", "clm"
+__all__ = ["CAUSAL_LM", "MASKED_LM", "SetupError", "build_model", "language_modeling_task", "load_tokenizer"]
 
 
 def language_modeling_task(model_type: str) -> str:
@@ -34,9 +34,9 @@ def language_modeling_task(model_type: str) -> str:
     raise SetupError(f"--model_name_or_path: model type {model_type!r} has no masked- or causal-LM head")
 
 
-def tiny_bert_config(vocab_size: int) -> BertConfig:
+def tiny_bert_config(vocab_size: int, **overrides) -> BertConfig:
     """The default model: a 2-layer BERT small enough to train on two CPU cores (about 1.5M parameters)."""
-    return BertConfig(
+    settings = dict(
         vocab_size=vocab_size,
         hidden_size=128,
         num_hidden_layers=2,
@@ -44,6 +44,7 @@ def tiny_bert_config(vocab_size: int) -> BertConfig:
         intermediate_size=512,
         max_position_embeddings=512,
     )
+    return BertConfig(**{**settings, **overrides})
 
 
 def load_tokenizer(dataset_args: DatasetArguments) -> PreTrainedTokenizerBase:
@@ -66,24 +67,41 @@ def load_tokenizer(dataset_args: DatasetArguments) -> PreTrainedTokenizerBase:
 def build_model(
     dataset_args: DatasetArguments, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> tuple[PreTrainedModel, str]:
-    """The model to train and its task (``mlm`` or ``clm``); pretrained weights when the source has them."""
+    """The model of ``--task`` and the task's name; pretrained weights when the source has them.
+
+    Weights the task's head needs and the checkpoint lacks (a classifier on a masked-LM checkpoint, say) are
+    initialised from ``seed``, and a warning lists them: they must be trained before the model is useful.
+    """
+    task = TASKS[dataset_args.task]
     torch.manual_seed(seed)
+    head_config = task.head_config(dataset_args)
     source: str | None = dataset_args.model_name_or_path
     if source is None:
-        config = tiny_bert_config(len(tokenizer))
-        return AutoModelForMaskedLM.from_config(config), MASKED_LM
+        config = tiny_bert_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id or 0, **head_config)
+        return task.model_class.from_config(config), task.name
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **head_config)
     except (OSError, ValueError) as e:
         raise SetupError(f"--model_name_or_path: cannot load a model config from {source!r} ({e})") from None
-    task = language_modeling_task(config.model_type)
-    model_class = AutoModelForMaskedLM if task == MASKED_LM else AutoModelForCausalLM
     try:
-        model = model_class.from_pretrained(source)
+        model, info = task.model_class.from_pretrained(
+            source, config=config, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+        new_weights = sorted({*info.get("missing_keys", ()), *(k for k, *_ in info.get("mismatched_keys", ()))})
+        if new_weights:
+            logger.warning(
+                "%s has no weights for %d parameters of --task %s; initialised them (train before use): %s",
+                source,
+                len(new_weights),
+                task.name,
+                ", ".join(new_weights),
+            )
+    except ValueError as e:  # the Auto class has no head of this kind for this model type
+        raise SetupError(f"--task: {config.model_type} models have no {task.name} head ({e})") from None
     except OSError:
         logger.warning("%s has a config but no weights: initialising the model from scratch", source)
-        model = model_class.from_config(config)
+        model = task.model_class.from_config(config)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         logger.warning("Tokenizer has %d tokens, more than the model's embeddings: resizing", len(tokenizer))
         model.resize_token_embeddings(len(tokenizer))
-    return model, task
+    return model, task.name

@@ -1,0 +1,130 @@
+"""Every fine-tuning task trains collaboratively and gets better: two real peers on 127.0.0.1 per task.
+
+clm trains on the sample corpus; seq-cls and qa on BoolQ- and SQuAD-style jsonl files that ``data.tasks`` builds
+from this Python's docstrings (mlm is test_collaboration.py's). For qa the monitor starts first, the peers join
+through it, and it evaluates its checkpoints: its metrics file must carry eval_* keys on checkpoint steps only.
+Each task's metric on held-out rows must beat the untrained model's (same seed, same rows).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+from transformers import AutoTokenizer
+
+from arguments import DatasetArguments, TrainingArguments
+from data.tasks import build
+from trainer.local import MonitorProcess, PeerProcess, wait_until
+from trainer.model import build_model, load_tokenizer
+from trainer.tasks import TASKS
+
+pytestmark = pytest.mark.integration
+
+MAX_STEPS = 6
+EVAL_EXAMPLES = 120
+# A peer alone steps without waiting: 256 samples per global step keeps the first peer busy while the other starts.
+FAST = ["--target_batch_size", "256", "--per_device_train_batch_size", "16", "--matchmaking_time", "2",
+        "--averaging_timeout", "15", "--total_steps", str(MAX_STEPS), "--max_steps", str(MAX_STEPS)]
+# (metric, True if higher is better)
+METRIC = {"clm": ("eval_perplexity", False), "seq-cls": ("eval_accuracy", True), "qa": ("eval_f1", True)}
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("task_data")
+    build(out, train=800, validation=EVAL_EXAMPLES)
+    return out
+
+
+def data_flags(task: str, data: Path) -> list[str]:
+    if task == "clm":
+        return ["--task", "clm"]
+    name = "boolq" if task == "seq-cls" else "squad"
+    return ["--task", task, "--dataset_path", str(data / name / "train.jsonl"),
+            "--validation_path", str(data / name / "validation.jsonl")]
+
+
+def dataset_args(task: str, data: Path) -> DatasetArguments:
+    flags = data_flags(task, data)
+    return DatasetArguments(**{flags[i][2:]: flags[i + 1] for i in range(0, len(flags), 2)})
+
+
+def score(task: str, args: DatasetArguments, model_folder: Path | None) -> dict[str, float]:
+    """The task's metrics on the first EVAL_EXAMPLES validation rows: of a saved model, or of the untrained one."""
+    tokenizer = load_tokenizer(args)
+    if model_folder is None:
+        model, _ = build_model(args, tokenizer, TrainingArguments.seed)
+    else:
+        model = TASKS[task].model_class.from_pretrained(model_folder)
+        tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    validation = TASKS[task].validation(args, tokenizer, EVAL_EXAMPLES)
+    return TASKS[task].evaluate(model, validation, tokenizer)
+
+
+def improved(task: str, before: dict[str, float], after: dict[str, float]) -> bool:
+    key, higher_is_better = METRIC[task]
+    return after[key] > before[key] if higher_is_better else after[key] < before[key]
+
+
+def run_two_peers(task: str, data: Path, out: Path, join: list[str]) -> dict[str, int]:
+    """Peers A and B, started together through ``join``, until both reach MAX_STEPS; their exit codes."""
+    prefix = f"tasks{task.replace('-', '')}{int(time.time())}"
+    common = ["--experiment_prefix", prefix, *FAST, *data_flags(task, data), *join]
+    peers = {}
+    try:
+        for name in "AB":
+            peers[name] = PeerProcess([*common, "--output_dir", str(out / name)], out / f"{name}.log")
+        return {name: peer.wait(timeout=240) for name, peer in peers.items()}
+    finally:
+        for peer in peers.values():
+            peer.stop()
+
+
+@pytest.fixture
+def rendezvous():
+    """A DHT node in the test process that both peers join, so neither waits for the other to start."""
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    yield ["--initial_peers", *map(str, dht.get_visible_maddrs())]
+    dht.shutdown()
+
+
+@pytest.mark.parametrize("task", ["clm", "seq-cls"])
+def test_two_peers_fine_tune_and_the_metric_improves(task, task_data, tmp_path, rendezvous):
+    args = dataset_args(task, task_data)
+    untrained = score(task, args, None)
+    assert run_two_peers(task, task_data, tmp_path, rendezvous) == {"A": 0, "B": 0}
+    assert "Averaged gradients with 2 peers" in (tmp_path / "A.log").read_text() + (tmp_path / "B.log").read_text()
+    trained = score(task, args, tmp_path / "A")
+    assert improved(task, untrained, trained), f"{task}: untrained {untrained} -> trained {trained}"
+
+
+def test_qa_with_a_monitor_that_evaluates_its_checkpoints(task_data, tmp_path):
+    args = dataset_args("qa", task_data)
+    untrained = score("qa", args, None)
+    metrics_path = tmp_path / "metrics.jsonl"
+    monitor = MonitorProcess(
+        ["--experiment_prefix", f"tasksqa{int(time.time())}", *FAST, *data_flags("qa", task_data),
+         "--refresh_period", "1", "--metrics_path", str(metrics_path), "--store_checkpoints",
+         "--repo_path", str(tmp_path / "checkpoints"), "--save_checkpoint_step_interval", "2",
+         "--eval_every_checkpoints", "1", "--eval_max_examples", str(EVAL_EXAMPLES)],
+        tmp_path / "M.log",
+    )
+    try:
+        join = monitor.join_flags(timeout=120)
+        assert run_two_peers("qa", task_data, tmp_path, join) == {"A": 0, "B": 0}
+        wait_until(lambda: metrics_path.exists() and metrics_path.read_text().count("eval_f1") >= 2, 60,
+                   "two evaluations in the monitor's metrics file")
+    finally:
+        monitor.stop()
+    lines = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    evaluated = [line for line in lines if "eval_f1" in line]
+    base = {"step", "loss", "alive_peers", "samples", "samples_per_second", "time"}
+    assert all(set(line) == base for line in lines if line not in evaluated)
+    assert all(set(line) == base | {"eval_loss", "eval_exact_match", "eval_f1"} for line in evaluated)
+    assert evaluated[-1]["eval_f1"] > untrained["eval_f1"], f"untrained {untrained} -> monitor {evaluated[-1]}"
+    assert improved("qa", untrained, score("qa", args, tmp_path / "A"))
+    assert "Traceback" not in monitor.log()

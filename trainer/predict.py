@@ -1,0 +1,107 @@
+"""Try a fine-tuned checkpoint on your own input, as the SQuAD seed's test script does.
+
+    python -m trainer.predict --checkpoint checkpoints/40 --task qa --question "what is read?" --context "..."
+    python -m trainer.predict --checkpoint checkpoints/40 --task seq-cls --text "return x + 1"
+    python -m trainer.predict --checkpoint checkpoints/40 --task seq-cls --question "is it code?" --passage "..."
+
+qa prints the answer span (the best over every window of a long context); seq-cls prints the label and its
+probability. Bad input prints one line naming the flag and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from arguments import DatasetArguments
+from trainer.data import one_pass
+from trainer.qa import predict_answers
+from trainer.tasks import TASKS
+
+PROG = "python -m trainer.predict"
+
+
+class InputError(ValueError):
+    """Bad input: the message starts with the flag to fix."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise InputError(message.removeprefix("argument "))
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="Folder with a saved model and tokenizer")
+    parser.add_argument("--task", required=True, choices=["seq-cls", "qa"], help="What the model was trained for")
+    parser.add_argument("--question", help="qa: the question; seq-cls: the first text of a pair (BoolQ)")
+    parser.add_argument("--context", help="qa: the text that holds the answer")
+    parser.add_argument("--passage", help="seq-cls: the second text of a pair (BoolQ)")
+    parser.add_argument("--text", help="seq-cls: a single text to classify")
+    parser.add_argument("--max_seq_length", type=int, default=384, help="Window length (tokens)")
+    parser.add_argument("--doc_stride", type=int, default=128, help="Window overlap (tokens)")
+    args = parser.parse_args(argv)
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        raise InputError(f"--checkpoint: no saved model (config.json) in {args.checkpoint}")
+    if args.task == "qa":
+        for flag in ("question", "context"):
+            if not (getattr(args, flag) or "").strip():
+                raise InputError(f"--{flag}: required (non-empty) for --task qa")
+    elif not (args.text or (args.question and args.passage)):
+        raise InputError("--text: required for --task seq-cls (or give --question and --passage)")
+    if args.doc_stride >= args.max_seq_length // 2:
+        raise InputError(f"--doc_stride: must be under half of --max_seq_length ({args.max_seq_length})")
+    return args
+
+
+def answer(model, tokenizer, question: str, context: str, max_seq_length: int, doc_stride: int) -> str:
+    """The best answer span of ``context`` for ``question``."""
+    rows = Dataset.from_list(
+        [{"id": "0", "question": question, "context": context, "answers": {"text": [], "answer_start": []}}]
+    )
+    settings = DatasetArguments(task="qa", max_seq_length=max_seq_length, doc_stride=doc_stride)
+    task = TASKS["qa"]
+    features = task.prepare(rows, tokenizer, settings)
+    starts, ends = [], []
+    with torch.no_grad():
+        for batch in one_pass(features, task.collator(tokenizer), 8, "qa"):
+            output = model(**{k: v for k, v in batch.items() if k not in ("start_positions", "end_positions")})
+            starts += list(output.start_logits.numpy())
+            ends += list(output.end_logits.numpy())
+    return predict_answers(features, starts, ends)["0"][0]
+
+
+def classify(model, tokenizer, texts: Sequence[str]) -> tuple[str, float]:
+    """(label name, probability) of the most likely class."""
+    with torch.no_grad():
+        logits = model(**tokenizer(*texts, truncation=True, return_tensors="pt")).logits[0]
+    probabilities = logits.softmax(-1)
+    best = int(probabilities.argmax())
+    return model.config.id2label.get(best, str(best)), float(probabilities[best])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+    except InputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    model = TASKS[args.task].model_class.from_pretrained(args.checkpoint).eval()
+    if args.task == "qa":
+        print(answer(model, tokenizer, args.question, args.context, args.max_seq_length, args.doc_stride))
+    else:
+        label, probability = classify(model, tokenizer, [args.text] if args.text else [args.question, args.passage])
+        print(f"{label}\t{probability:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
