@@ -70,9 +70,8 @@ def improved(task: str, before: dict[str, float], after: dict[str, float]) -> bo
     return after[key] > before[key] if higher_is_better else after[key] < before[key]
 
 
-def run_two_peers(task: str, data: Path, out: Path, join: list[str]) -> dict[str, int]:
+def run_two_peers(task: str, data: Path, out: Path, join: list[str], prefix: str) -> dict[str, int]:
     """Peers A and B, started together through ``join``, until both reach MAX_STEPS; their exit codes."""
-    prefix = f"tasks{task.replace('-', '')}{int(time.time())}"
     common = ["--experiment_prefix", prefix, *FAST, *data_flags(task, data), *join]
     peers = {}
     try:
@@ -96,7 +95,8 @@ def rendezvous():
 def test_two_peers_fine_tune_and_the_metric_improves(task, task_data, tmp_path, rendezvous):
     args = dataset_args(task, task_data)
     untrained = score(task, args, None)
-    assert run_two_peers(task, task_data, tmp_path, rendezvous) == {"A": 0, "B": 0}
+    prefix = f"tasks{task.replace('-', '')}{int(time.time())}"
+    assert run_two_peers(task, task_data, tmp_path, rendezvous, prefix) == {"A": 0, "B": 0}
     assert "Averaged gradients with 2 peers" in (tmp_path / "A.log").read_text() + (tmp_path / "B.log").read_text()
     trained = score(task, args, tmp_path / "A")
     assert improved(task, untrained, trained), f"{task}: untrained {untrained} -> trained {trained}"
@@ -105,9 +105,9 @@ def test_two_peers_fine_tune_and_the_metric_improves(task, task_data, tmp_path, 
 def test_qa_with_a_monitor_that_evaluates_its_checkpoints(task_data, tmp_path):
     args = dataset_args("qa", task_data)
     untrained = score("qa", args, None)
-    metrics_path = tmp_path / "metrics.jsonl"
+    metrics_path, prefix = tmp_path / "metrics.jsonl", f"tasksqa{int(time.time())}"
     monitor = MonitorProcess(
-        ["--experiment_prefix", f"tasksqa{int(time.time())}", *FAST, *data_flags("qa", task_data),
+        ["--experiment_prefix", prefix, *FAST, *data_flags("qa", task_data),
          "--refresh_period", "1", "--metrics_path", str(metrics_path), "--store_checkpoints",
          "--repo_path", str(tmp_path / "checkpoints"), "--save_checkpoint_step_interval", "2",
          "--eval_every_checkpoints", "1", "--eval_max_examples", str(EVAL_EXAMPLES)],
@@ -115,7 +115,7 @@ def test_qa_with_a_monitor_that_evaluates_its_checkpoints(task_data, tmp_path):
     )
     try:
         join = monitor.join_flags(timeout=120)
-        assert run_two_peers("qa", task_data, tmp_path, join) == {"A": 0, "B": 0}
+        assert run_two_peers("qa", task_data, tmp_path, join, prefix) == {"A": 0, "B": 0}
         wait_until(lambda: metrics_path.exists() and metrics_path.read_text().count("eval_f1") >= 2, 60,
                    "two evaluations in the monitor's metrics file")
     finally:
