@@ -76,6 +76,12 @@ class LocalProcess:
             time.sleep(0.2)
         raise TimeoutError(f"no --initial_peers line logged within {timeout:.0f} s; see {self.log_path}")
 
+    def tracebacks_from_our_code(self) -> list[str]:
+        """Tracebacks in the log that pass through this project's code (hivemind logs its own network errors)."""
+        ours = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')
+        chunks = self.log().split("Traceback (most recent call last):")[1:]
+        return [chunk for chunk in chunks if ours.search(chunk.split("\n\n")[0])]
+
     def averaging_group_sizes(self) -> list[int]:
         """Group size of every successful gradient-averaging round, from hivemind's own log lines."""
         return [int(size) for size in AVERAGED.findall(self.log())]

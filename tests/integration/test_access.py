@@ -20,7 +20,7 @@ from collab.schema import LocalMetrics, make_validators, metrics_key, read_metri
 from tests.web.live import running_web_server
 from trainer.local import PeerProcess, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ADMIN = "access-admin-token"
 LIFETIME = 70  # seconds: peers refresh a minute before expiry, so about every 10 s here

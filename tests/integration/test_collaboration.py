@@ -38,7 +38,7 @@ from collab.schema import LocalMetrics, make_validators, metrics_key, read_metri
 from tests.conftest import RecordingServer, serve_recording
 from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 MAX_STEPS = 22
 FAST = [
@@ -279,7 +279,7 @@ def test_faulty_peer_drops_the_bad_batch_and_rolls_back(collaboration):
     log = collaboration.peers["A"].log()
     assert "Test fault nan_loss injected" in log and "Dropping a mini-batch with non-finite loss" in log
     assert "Test fault nan_parameters injected" in log and "restoring the backup (rollback #1)" in log
-    assert "Traceback" not in log
+    assert not collaboration.peers["A"].tracebacks_from_our_code()
 
 
 def test_late_peer_loads_state_from_peers_and_contributes(collaboration):
@@ -341,7 +341,7 @@ def test_monitor_survives_a_killed_peer_and_stops_counting_it(collaboration):
         if line["time"] > collaboration.killed_c_at + C_EXPIRATION + 2
     ]
     assert 2 in after, "the killed peer was still counted after its record expired"
-    assert "Traceback" not in collaboration.monitors[-1].log()
+    assert not collaboration.monitors[-1].tracebacks_from_our_code()
 
 
 def test_monitor_killed_mid_save_loses_no_checkpoint_and_resumes(collaboration):
@@ -434,7 +434,7 @@ def test_signal_shuts_down_cleanly_and_saves_the_model(tmp_path, sample_data, si
         peer.stop()
     assert (tmp_path / "m" / "model.safetensors").exists()
     assert f"Received {signal.Signals(signum).name}" in peer.log()
-    assert "Traceback" not in peer.log()
+    assert not peer.tracebacks_from_our_code()
 
 
 def test_unreachable_initial_peer_fails_fast_with_a_clear_message(tmp_path, sample_data):

@@ -19,7 +19,7 @@ import pytest
 
 from trainer.local import PeerProcess, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 CUT_SECONDS = 25
 SETTINGS = [

@@ -12,7 +12,7 @@ import requests
 from tests.web.live import ROOT, running_web_server, wait_until
 from trainer.local import MonitorProcess, PeerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ADMIN_TOKEN = "integration-admin-token"
 MAX_STEPS = 6
