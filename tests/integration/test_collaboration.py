@@ -169,7 +169,17 @@ def collaboration(tmp_path_factory, sample_data):
             peers["B"] = PeerProcess(
                 [*common, "--max_steps", str(MAX_STEPS), "--output_dir", str(out / "B")], out / "B.log"
             )
-            c_argv = [*common, "--statistics_expiration", str(C_EXPIRATION), "--max_steps", str(MAX_STEPS)]
+            # C and C2 know two addresses, as a volunteer would: the monitor's (down while it restarts) and A's
+            c_argv = [
+                *common,
+                "--initial_peers",
+                *join[1:],
+                *peers["A"].join_flags(120)[1:],
+                "--statistics_expiration",
+                str(C_EXPIRATION),
+                "--max_steps",
+                str(MAX_STEPS),
+            ]
             validators, _ = make_validators(prefix)
             reader = start_dht(
                 PeerArguments(experiment_prefix=prefix, initial_peers=join[1:]), validators, client_mode=True
@@ -322,7 +332,10 @@ def test_forged_malformed_and_non_finite_records_are_rejected(collaboration):
 
 def test_monitor_writes_one_line_per_step_with_alive_peers_and_falling_loss(collaboration):
     lines = collaboration.metrics_lines()
-    assert all(set(line) == {"step", "loss", "alive_peers", "samples", "samples_per_second", "time"} for line in lines)
+    base = {"step", "loss", "alive_peers", "samples", "samples_per_second", "time"}
+    assert all(set(line) in (base, base | {"eval_loss", "eval_perplexity"}) for line in lines)
+    evaluated = [line for line in lines if "eval_loss" in line]
+    assert len(evaluated) >= 2 and evaluated[-1]["eval_loss"] < evaluated[0]["eval_loss"], "checkpoints got no better"
     steps = [line["step"] for line in lines]
     assert steps == sorted(set(steps)) and steps[-1] >= MAX_STEPS, "steps repeat or go back (across the restart)"
     assert max(line["alive_peers"] for line in lines) >= 3
@@ -409,32 +422,41 @@ def test_trainer_resumes_from_a_checkpoint_when_no_peer_is_online(collaboration,
     assert first_loss < 7.5, "a resumed peer should start near the checkpoint's loss, not at a fresh model's ~8.3"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_shuts_down_cleanly_and_saves_the_model(tmp_path, sample_data, signum):
-    argv = [
-        "--experiment_prefix",
-        f"sig{signum}",
-        "--target_batch_size",
-        "100000",
-        "--output_dir",
-        str(tmp_path / "m"),
-    ]
-    peer = PeerProcess(argv, tmp_path / "peer.log")
-    try:
-        wait_until(
-            lambda: "Starting at global epoch" in peer.log() or peer.process.poll() is not None,
-            120,
-            "the peer to start training",
+def test_sigterm_and_sigint_shut_down_cleanly_and_save_the_model(tmp_path, sample_data):
+    signals = {"term": signal.SIGTERM, "int": signal.SIGINT}
+    peers = {
+        name: PeerProcess(
+            [
+                "--experiment_prefix",
+                f"sig{name}{int(time.time())}",
+                "--target_batch_size",
+                "100000",
+                "--output_dir",
+                str(tmp_path / name),
+            ],
+            tmp_path / f"{name}.log",
         )
+        for name in signals
+    }
+    try:
+        for peer in peers.values():
+            wait_until(
+                lambda p=peer: "Starting at global epoch" in p.log() or p.process.poll() is not None,
+                120,
+                "the peer to start training",
+            )
         started = time.monotonic()
-        peer.process.send_signal(signum)
-        assert peer.wait(timeout=30) == 0
+        for name, peer in peers.items():
+            peer.process.send_signal(signals[name])
+        assert {name: peer.wait(timeout=30) for name, peer in peers.items()} == {"term": 0, "int": 0}
         assert time.monotonic() - started < 30
     finally:
-        peer.stop()
-    assert (tmp_path / "m" / "model.safetensors").exists()
-    assert f"Received {signal.Signals(signum).name}" in peer.log()
-    assert not peer.tracebacks_from_our_code()
+        for peer in peers.values():
+            peer.stop()
+    for name, peer in peers.items():
+        assert (tmp_path / name / "model.safetensors").exists()
+        assert f"Received {signals[name].name}" in peer.log()
+        assert not peer.tracebacks_from_our_code()
 
 
 def test_unreachable_initial_peer_fails_fast_with_a_clear_message(tmp_path, sample_data):

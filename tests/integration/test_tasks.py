@@ -22,7 +22,7 @@ from trainer.local import MonitorProcess, PeerProcess, wait_until
 from trainer.model import build_model, load_tokenizer
 from trainer.tasks import TASKS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MAX_STEPS = 6
 EVAL_EXAMPLES = 120
@@ -38,6 +38,11 @@ def task_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("task_data")
     build(out, train=800, validation=EVAL_EXAMPLES)
     return out
+
+
+# Lamb moves each tensor by about learning_rate x its norm per step: the default 0.2 suits the tiny model learning
+# language from scratch; a classifier head needs smaller steps (the README says the same to users).
+LEARNING_RATE = {"seq-cls": ["--learning_rate", "0.02", "--warmup_steps", "1"]}
 
 
 def data_flags(task: str, data: Path) -> list[str]:
@@ -72,7 +77,7 @@ def improved(task: str, before: dict[str, float], after: dict[str, float]) -> bo
 
 def run_two_peers(task: str, data: Path, out: Path, join: list[str], prefix: str) -> dict[str, int]:
     """Peers A and B, started together through ``join``, until both reach MAX_STEPS; their exit codes."""
-    common = ["--experiment_prefix", prefix, *FAST, *data_flags(task, data), *join]
+    common = ["--experiment_prefix", prefix, *FAST, *data_flags(task, data), *LEARNING_RATE.get(task, []), *join]
     peers = {}
     try:
         for name in "AB":
@@ -127,4 +132,4 @@ def test_qa_with_a_monitor_that_evaluates_its_checkpoints(task_data, tmp_path):
     assert all(set(line) == base | {"eval_loss", "eval_exact_match", "eval_f1"} for line in evaluated)
     assert evaluated[-1]["eval_f1"] > untrained["eval_f1"], f"untrained {untrained} -> monitor {evaluated[-1]}"
     assert improved("qa", untrained, score("qa", args, tmp_path / "A"))
-    assert "Traceback" not in monitor.log()
+    assert not monitor.tracebacks_from_our_code()
