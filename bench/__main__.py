@@ -1,0 +1,172 @@
+"""``python -m bench [--quick]``: measure every figure of docs/BENCHMARKS.md and print the JSON summary last."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from bench.formulas import paper_scaling, summary_json
+from bench.procs import ROOT
+
+DEFAULT_PARAMS = 1_450_000  # the default tiny BERT (vocabulary 4096), for the paper model
+FULL = {
+    "targets": [64, 128, 256, 512],
+    "seconds": 40,
+    "parity_steps": 8,
+    "sizes": [1_000_000, 10_000_000, 50_000_000],
+    "rounds": 3,
+    "peer_counts": [2, 4, 8],
+}
+QUICK = {
+    "targets": [256],
+    "seconds": 15,
+    "parity_steps": 3,
+    "sizes": [1_000_000, 10_000_000],
+    "rounds": 2,
+    "peer_counts": [2, 4],
+}
+BANDWIDTH_MBIT = 100.0
+
+
+def parse(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (about 5 minutes), fewer points")
+    parser.add_argument("--output", default="docs/BENCHMARKS.md", help="where to write the report")
+    parser.add_argument("--log_dir", default="outputs/bench", help="logs of every process the benchmark starts")
+    parser.add_argument("--render", metavar="FIGURES_JSON", help="only rewrite the report from a run's figures.json")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        choices=["training", "link", "records", "scaling"],
+        help="measure only these parts (the others are reported as not measured)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups: children, network namespaces
+    args = parse(argv)
+    if args.render:
+        figures = json.loads(Path(args.render).read_text())
+        summary = json.dumps(figures.pop("summary"))
+        write_report(ROOT / args.output, figures, summary, args, figures.pop("header"))
+        print(summary)
+        return 0
+    plan = QUICK if args.quick else FULL
+    log_dir = ROOT / args.log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    parts = args.only or ["training", "link", "records", "scaling"]
+    started = time.monotonic()
+    figures: dict = {}
+    ticks = {"training": 6 + len(plan["targets"]), "link": 2, "records": 2, "scaling": 1}
+    with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:
+
+        def progress(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update()
+
+        if "training" in parts:
+            from arguments import OptimizerArguments
+            from bench.training import efficiency_and_parity
+
+            figures["training"] = efficiency_and_parity(
+                plan["targets"],
+                OptimizerArguments.target_batch_size,
+                plan["seconds"],
+                plan["parity_steps"],
+                log_dir,
+                progress,
+            )
+        if "link" in parts:
+            from bench.network import link_goodput_mbit, shaped_link_bench
+
+            figures["link"] = shaped_link_bench(plan["sizes"], plan["rounds"], BANDWIDTH_MBIT, log_dir)
+            progress("shaped link")
+            figures["link"]["goodput_mbit"] = link_goodput_mbit(BANDWIDTH_MBIT, log_dir)
+            progress("link goodput")
+        if "records" in parts:
+            from bench.records import aggregate_ms, aggregate_ms_with, dht_read_ms, strict_parse
+
+            figures["records"] = {
+                "aggregate_ms_10k": aggregate_ms(10_000),
+                "aggregate_ms_10k_strict_parse": aggregate_ms_with(strict_parse, 10_000),
+            }
+            progress("aggregation")
+            figures["records"]["dht_1000"] = dht_read_ms(1000)
+            progress("DHT read")
+        if "scaling" in parts:
+            from bench.network import scaling_bench
+
+            per_record = figures.get("records", {}).get("aggregate_ms_10k")
+            figures["scaling"] = {
+                "measured": scaling_bench(plan["peer_counts"], DEFAULT_PARAMS, plan["rounds"], log_dir),
+                "paper": paper_scaling(DEFAULT_PARAMS, [2, 8, 64, 256], BANDWIDTH_MBIT, (per_record or 0.0) / 10_000),
+            }
+            progress("scaling")
+    figures["wall_s"] = time.monotonic() - started
+    summary = summarize(figures)
+    header = run_header(figures["wall_s"], args)
+    saved = {**figures, "summary": json.loads(summary), "header": header}
+    (log_dir / "figures.json").write_text(json.dumps(saved, default=str))
+    write_report(ROOT / args.output, figures, summary, args, header)
+    print(f"Wrote {args.output} in {figures['wall_s'] / 60:.1f} min; logs in {args.log_dir}/", file=sys.stderr)
+    print(summary)
+    return 0
+
+
+def summarize(figures: dict) -> str:
+    """The summary JSON: the default's efficiency, the largest model's link ratios, the 10k aggregation."""
+    training, link = figures.get("training"), figures.get("link", {})
+    out: dict = {}
+    if training:
+        from arguments import OptimizerArguments
+
+        default = next(r for r in training["sweep"] if r["target_batch_size"] == OptimizerArguments.target_batch_size)
+        out["collab_efficiency"] = default["efficiency"]
+        out["anchor_efficiency"] = training["anchor"]["efficiency"]
+        out["parity_loss_ratio"] = training["parity"]["ratio"]
+    if link.get("rows"):
+        largest = link["rows"][-1]
+        out["allreduce_vs_bound"] = largest["allreduce_vs_bound"]
+        out["join_vs_bound"] = largest["join_vs_bound"]
+    if "records" in figures:
+        out["aggregate_ms_10k"] = figures["records"]["aggregate_ms_10k"]
+    if "scaling" in figures:
+        out["scaling"] = {str(r["peers"]): r["allreduce_s"] for r in figures["scaling"]["measured"]}
+    return summary_json(out)
+
+
+def run_header(wall_s: float, args) -> dict:
+    command = "make bench" if not args.quick else "python -m bench --quick"
+    if args.only:
+        command += " " + shlex.join(["--only", *args.only])
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": command,
+        "wall_min": wall_s / 60,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
+    }
+
+
+def write_report(path: Path, figures: dict, summary: str, args, header: dict) -> None:
+    from bench import report
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report.render(header, figures, summary))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

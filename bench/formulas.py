@@ -1,0 +1,125 @@
+"""Pure formulas of the benchmarks: bandwidth bounds, throughput windows, round times and the JSON summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+FP16_BYTES = 2
+SUMMARY_KEYS = (
+    "collab_efficiency",
+    "anchor_efficiency",
+    "allreduce_vs_bound",
+    "join_vs_bound",
+    "aggregate_ms_10k",
+    "parity_loss_ratio",
+    "scaling",
+)
+
+
+def allreduce_bytes_per_peer(params: int, peers: int, bytes_per_value: int = FP16_BYTES) -> float:
+    """Bytes each peer sends (and receives) in a butterfly all-reduce: 2·(N−1)/N · P · bytes per value."""
+    if peers < 2:
+        return 0.0
+    return 2 * (peers - 1) / peers * params * bytes_per_value
+
+
+def allreduce_bound_s(params: int, peers: int, bandwidth_mbit: float, bytes_per_value: int = FP16_BYTES) -> float:
+    """The bandwidth bound of one all-reduce round: bytes per peer / bandwidth (seconds)."""
+    return allreduce_bytes_per_peer(params, peers, bytes_per_value) / (bandwidth_mbit * MBIT)
+
+
+def transfer_bound_s(num_bytes: float, bandwidth_mbit: float) -> float:
+    """Seconds to move ``num_bytes`` over a link of ``bandwidth_mbit`` Mbit/s."""
+    return num_bytes / (bandwidth_mbit * MBIT)
+
+
+def ratio(measured: float | None, reference: float | None) -> float | None:
+    """measured / reference, or None when either side is missing or the reference is not positive."""
+    if measured is None or reference is None or not reference > 0 or not math.isfinite(measured):
+        return None
+    return measured / reference
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def steady_window(peers_steps: Sequence[Sequence[tuple[float, int, int]]], warmup_epochs: int = 1):
+    """The time window in which every peer trains together in steady state: (start, end), or None.
+
+    Each peer's steps are ``(time, samples, epoch)``. The window opens once every peer has reached the epoch at
+    which the last peer joined plus ``warmup_epochs`` (start-up, state download and the first rounds are behind
+    it) and closes at the first peer's last step.
+    """
+    if not peers_steps or not all(peers_steps):
+        return None
+    first_common = max(steps[0][2] for steps in peers_steps) + warmup_epochs
+    starts, ends = [], []
+    for steps in peers_steps:
+        warm = [t for t, _, epoch in steps if epoch >= first_common]
+        if not warm:
+            return None
+        starts.append(warm[0])
+        ends.append(steps[-1][0])
+    start, end = max(starts), min(ends)
+    return (start, end) if end > start else None
+
+
+def total_samples_per_second(peers_steps: Sequence[Sequence[tuple[float, int, int]]], warmup_epochs: int = 1):
+    """Samples/s of all peers together inside their common steady window; None when there is no such window."""
+    window = steady_window(peers_steps, warmup_epochs)
+    if window is None:
+        return None
+    start, end = window
+    samples = sum(n for steps in peers_steps for t, n, _ in steps if start < t <= end)
+    return samples / (end - start)
+
+
+def round_times(peers_rounds: Sequence[Sequence[tuple[float, float]]]) -> list[float]:
+    """Duration of each all-reduce round from every peer's ``(trigger_time, done_time)``.
+
+    A round cannot start before its last peer lets it, so it lasts from the latest trigger to the latest finish.
+    """
+    counts = {len(rounds) for rounds in peers_rounds}
+    if len(counts) != 1:
+        raise ValueError(f"peers report different numbers of rounds: {sorted(counts)}")
+    return [
+        max(done for _, done in rounds) - max(trigger for trigger, _ in rounds)
+        for rounds in zip(*peers_rounds, strict=True)
+    ]
+
+
+def paper_scaling(
+    params: int, peers: Sequence[int], bandwidth_mbit: float, aggregate_ms_per_record: float
+) -> list[dict]:
+    """The bandwidth model carried to larger swarms: all-reduce bound and monitor aggregation per swarm size."""
+    return [
+        {
+            "peers": n,
+            "allreduce_bound_s": allreduce_bound_s(params, n, bandwidth_mbit),
+            "aggregate_ms": aggregate_ms_per_record * n,
+        }
+        for n in peers
+    ]
+
+
+def summary_json(figures: Mapping[str, object]) -> str:
+    """The one-line JSON object ``make bench`` prints last: every summary key, None where not measured."""
+    unknown = set(figures) - set(SUMMARY_KEYS) - {"details"}
+    if unknown:
+        raise KeyError(f"not a summary key: {sorted(unknown)}")
+    return json.dumps({key: _rounded(figures.get(key)) for key in SUMMARY_KEYS}, sort_keys=False)
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return round(value, 4) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value

@@ -1,0 +1,196 @@
+"""One peer of the averaging benchmarks: ``python -m bench.netpeer --rank R --peers N --sync_dir D ...``.
+
+Rank 0 starts the DHT and writes its address to D; the others join through it. For each model size the peers
+run timed fp16 all-reduce rounds (group of all N peers, all-reduce started by hand once the group is formed, so
+matchmaking is not counted); with ``--join_state`` rank 1 then downloads rank 0's parameters and Lamb state.
+Results go to ``D/rank{R}.json``; the peers meet at file barriers in D between phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.compression import Float16Compression
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
+
+import collab  # noqa: F401  (applies the hivemind fixes the trainer runs with)
+from arguments import TrainingArguments
+from collab.optim import lamb_factory
+from collab.schema import LocalMetrics, make_validators, metrics_key
+
+VOCAB = 4096
+PHASE_TIMEOUT = 300.0
+FP16 = 2  # bytes per value on the wire
+
+
+def model_like_shapes(params: int) -> list[tuple[int, ...]]:
+    """Tensor shapes of a BERT-like encoder with about ``params`` parameters (vocabulary 4096)."""
+    hidden = 128 if params < 3_000_000 else 384 if params < 20_000_000 else 768
+    per_layer = [(hidden, hidden)] * 4 + [(hidden, 4 * hidden), (4 * hidden, hidden)] + [(hidden,)] * 9
+    per_layer += [(4 * hidden,)]
+    layer_numel = sum(torch.Size(shape).numel() for shape in per_layer)
+    layers = max(1, round((params - VOCAB * hidden) / layer_numel))
+    return [(VOCAB, hidden), (512, hidden)] + per_layer * layers
+
+
+def barrier(sync_dir: Path, phase: str, rank: int, peers: int) -> None:
+    (sync_dir / f"{phase}.{rank}").touch()
+    deadline = time.monotonic() + PHASE_TIMEOUT
+    while len(list(sync_dir.glob(f"{phase}.*"))) < peers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {phase}: peers missing")
+        time.sleep(0.1)
+
+
+def start_dht(args, sync_dir: Path) -> hivemind.DHT:
+    validators, _ = make_validators(args.metrics_prefix)
+    address = sync_dir / "maddrs.json"
+    initial = []
+    if args.rank > 0:
+        deadline = time.monotonic() + PHASE_TIMEOUT
+        while not address.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        initial = json.loads(address.read_text())
+    dht = hivemind.DHT(
+        start=True, initial_peers=initial, host_maddrs=[f"/ip4/{args.host}/tcp/0"], record_validators=validators
+    )
+    if args.rank == 0:
+        tmp = sync_dir / "maddrs.tmp"
+        tmp.write_text(json.dumps([str(m) for m in dht.get_visible_maddrs()]))
+        tmp.rename(address)
+    return dht
+
+
+def publish_metrics(dht: hivemind.DHT, prefix: str, rank: int) -> None:
+    """A real LocalMetrics record, signed by this process's key, as a trainer publishes it."""
+    _, public_key = make_validators(prefix)
+    metrics = LocalMetrics(step=1, samples_per_second=10.0 + rank, samples_accumulated=64, loss=7.5, mini_steps=4)
+    dht.store(metrics_key(prefix), metrics.dict(), get_dht_time() + 600, subkey=public_key)
+
+
+def timed_rounds(dht, tensors, prefix: str, args) -> list[tuple[float, float]]:
+    """``rounds`` all-reduce rounds after one warm-up; each ``(time the all-reduce was let go, time it ended)``."""
+    averager = hivemind.DecentralizedAverager(
+        averaged_tensors=tensors,
+        dht=dht,
+        prefix=prefix,
+        start=True,
+        compression=Float16Compression(),
+        target_group_size=args.peers,
+        min_group_size=args.peers,
+        min_matchmaking_time=args.matchmaking_time,
+        request_timeout=1.0,
+        bandwidth=args.bandwidth,
+    )
+    times = []
+    try:
+        for index in range(args.rounds + 1):
+            control = averager.step(wait=False, require_trigger=True, timeout=PHASE_TIMEOUT)
+            deadline = time.monotonic() + PHASE_TIMEOUT
+            while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no averaging group")
+                time.sleep(0.005)
+            started = time.time()
+            control.allow_allreduce()
+            group = control.result(timeout=PHASE_TIMEOUT)
+            if index > 0:
+                times.append((started, time.time()))
+            if not group or len(group) != args.peers:
+                raise RuntimeError(f"round {index}: group of {len(group or ())} peers, expected {args.peers}")
+    finally:
+        averager.shutdown()
+    return times
+
+
+def state_numel(optimizer: torch.optim.Optimizer, params) -> int:
+    """Values a newcomer downloads: the parameters and every tensor of the optimizer's per-parameter state."""
+    state = [value for per_param in optimizer.state_dict()["state"].values() for value in per_param.values()]
+    return sum(p.numel() for p in params) + sum(t.numel() for t in state if torch.is_tensor(t) and t.numel() > 1)
+
+
+def state_transfer(dht, shapes, prefix: str, args, sync_dir: Path) -> dict | None:
+    """Rank 1 downloads rank 0's parameters and Lamb state (fp16); returns seconds and bytes for rank 1."""
+    torch.manual_seed(args.rank)  # different values on each peer: a download is seen as a change
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    averager = TrainingStateAverager(
+        dht=dht,
+        optimizer=lamb_factory(TrainingArguments()),
+        params=params,
+        prefix=prefix,
+        start=True,
+        state_compression=Float16Compression(),
+        allow_state_sharing=args.rank == 0,
+        declare_state_period=5,
+        target_group_size=args.peers,
+    )
+    result = None
+    try:
+        barrier(sync_dir, f"{prefix}_up", args.rank, args.peers)
+        if args.rank == 1:
+            time.sleep(1.0)  # let the donor's declaration reach the DHT
+            deadline = time.monotonic() + PHASE_TIMEOUT
+            while result is None and time.monotonic() < deadline:
+                before = params[0].detach().clone()
+                started = time.monotonic()
+                averager.load_state_from_peers(timeout=PHASE_TIMEOUT)  # returns None whether it loaded or not
+                seconds = time.monotonic() - started
+                if not torch.equal(before, params[0]):
+                    result = {"seconds": seconds, "bytes": FP16 * state_numel(averager.optimizer, params)}
+        barrier(sync_dir, f"{prefix}_done", args.rank, args.peers)
+    finally:
+        averager.shutdown()
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.netpeer")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--sync_dir", required=True)
+    parser.add_argument("--sizes", type=int, nargs="+", required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--matchmaking_time", type=float, default=2.0)
+    parser.add_argument("--bandwidth", type=float, default=100.0)
+    parser.add_argument("--join_state", action="store_true")
+    parser.add_argument("--hold", action="store_true", help="wait for D/release before leaving")
+    parser.add_argument("--metrics_prefix", default="bench")
+    args = parser.parse_args(argv)
+    sync_dir = Path(args.sync_dir)
+    out = sync_dir / f"rank{args.rank}.json"
+    results: dict = {"rounds": {}, "join": {}}
+    dht = start_dht(args, sync_dir)
+    try:
+        publish_metrics(dht, args.metrics_prefix, args.rank)
+        (sync_dir / f"published.{args.rank}").touch()
+        # Give each process one size: an averager built after another has shut down can lose the DHT (EOFError or
+        # ConnectionResetError in multiprocessing's resource sharer), so the benchmark starts fresh processes.
+        for size in args.sizes:
+            shapes = model_like_shapes(size)
+            if args.join_state:
+                results["join"][size] = state_transfer(dht, shapes, f"bench_st{size}", args, sync_dir)
+            else:
+                tensors = [torch.randn(shape) for shape in shapes]
+                barrier(sync_dir, f"ar{size}", args.rank, args.peers)
+                results["rounds"][size] = timed_rounds(dht, tensors, f"bench_ar{size}", args)
+                results["numel"] = {**results.get("numel", {}), size: sum(t.numel() for t in tensors)}
+            out.write_text(json.dumps(results))
+        barrier(sync_dir, "end", args.rank, args.peers)
+        if args.hold:  # stay in the DHT until the benchmark has read every record
+            deadline = time.monotonic() + PHASE_TIMEOUT
+            while not (sync_dir / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Items 1 and 5: samples/s of two collaborating peers against two plain loops, and the loss they reach."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from bench.formulas import ratio, steady_window, total_samples_per_second
+from bench.procs import ONE_THREAD, Child, children, read_json, read_json_lines, wait_for
+
+JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
+# The seed's hivemind.Optimizer settings, spelled out so the anchor stays put when our defaults move.
+SEED_FLAGS = [
+    "--offload_optimizer",
+    "true",
+    "--delay_optimizer_step",
+    "true",
+    "--delay_grad_averaging",
+    "true",
+    "--average_state_every",
+    "1",
+    "--matchmaking_time",
+    "3",
+    "--batch_size_lead",
+    "0",
+]
+
+
+def plain_pair(seconds: float, log_dir: Path, tag: str) -> float:
+    """Total samples/s of two plain PyTorch + Lamb loops, one thread each, side by side."""
+    outs = [log_dir / f"plain_{tag}_{i}.json" for i in range(2)]
+    with children() as started:
+        for i, out in enumerate(outs):
+            started.append(
+                Child(
+                    "bench.plain",
+                    ["throughput", out, "--seconds", seconds, "--seed", i],
+                    log_dir / f"plain_{tag}_{i}.log",
+                    seconds + 180,
+                    env=ONE_THREAD,
+                )
+            )
+        codes = [child.wait() for child in started]
+    if any(codes):
+        raise RuntimeError(f"plain loops exited with {codes}; see {log_dir}/plain_{tag}_*.log")
+    results = [read_json(out) for out in outs]
+    if any(r["threads"] != 1 for r in results):
+        raise RuntimeError(f"OMP_NUM_THREADS=1 not honoured: {results}")
+    return sum(r["samples_per_second"] for r in results)
+
+
+def collab_pair(
+    name: str,
+    flags: list[str],
+    log_dir: Path,
+    seconds: float | None = None,
+    max_steps: int | None = None,
+    timeout: float = 400,
+) -> dict:
+    """Two run_trainer.py peers (one thread each) on 127.0.0.1; their total samples/s in steady state.
+
+    Stops after ``seconds`` of steady state, or when both reach ``max_steps`` (then their saved models are kept).
+    """
+    prefix = f"bench_{name}_{int(time.time())}"
+    steps = [log_dir / f"{name}_{i}.steps.jsonl" for i in range(2)]
+    for path in steps:
+        path.unlink(missing_ok=True)
+    outputs = [log_dir / f"{name}_{i}_model" for i in range(2)]
+    common = ["--experiment_prefix", prefix, *flags] + (["--max_steps", max_steps] if max_steps else [])
+    with children() as started:
+        first = Child(
+            "bench.probe",
+            [steps[0], *common, "--output_dir", outputs[0]],
+            log_dir / f"{name}_0.log",
+            timeout,
+            env=ONE_THREAD,
+        )
+        started.append(first)
+        join = wait_for(lambda: JOIN_LINE.search(first.log()), 120, "the first peer's address", alive=started)
+        started.append(
+            Child(
+                "bench.probe",
+                [steps[1], *common, *join.group(1).split(), "--output_dir", outputs[1]],
+                log_dir / f"{name}_1.log",
+                timeout,
+                env=ONE_THREAD,
+            )
+        )
+
+        def records():
+            return [[tuple(step) for step in read_json_lines(path)] for path in steps]
+
+        if max_steps:
+            codes = [child.wait() for child in started]
+            if any(codes):
+                raise RuntimeError(f"{name} peers exited with {codes}; see {log_dir}/{name}_*.log")
+        else:
+            wait_for(lambda: steady_window(records(), 1), timeout / 2, f"{name}: steady training", alive=started)
+            time.sleep(seconds)
+            for child in started:
+                child.terminate()
+    peers_steps = records()
+    rounds = [len(re.findall(r"Averaged gradients with (\d+) peers", child.log())) for child in started]
+    return {
+        "samples_per_second": total_samples_per_second(peers_steps, 1),
+        "window_s": _window_length(peers_steps),
+        "averaging_rounds": rounds,
+        "models": outputs,
+    }
+
+
+def _window_length(peers_steps) -> float | None:
+    window = steady_window(peers_steps, 1)
+    return window and window[1] - window[0]
+
+
+def held_out_loss(folder: Path) -> float:
+    from transformers import AutoModelForMaskedLM
+
+    from arguments import DatasetArguments
+    from trainer.data import load_split
+    from trainer.evaluate import language_model_loss
+    from trainer.model import MASKED_LM, load_tokenizer
+
+    dataset_args = DatasetArguments()
+    validation = load_split(dataset_args.dataset_path, "validation")
+    model = AutoModelForMaskedLM.from_pretrained(folder)
+    return language_model_loss(model, validation, load_tokenizer(dataset_args), MASKED_LM)
+
+
+def reference_loss(steps: int, target_batch_size: int, log_dir: Path) -> float:
+    """Held-out loss of one process after ``steps`` steps of ``target_batch_size`` samples (two threads)."""
+    out = log_dir / "reference.json"
+    with children() as started:
+        started.append(
+            Child(
+                "bench.plain",
+                ["reference", out, "--steps", steps, "--target_batch_size", target_batch_size],
+                log_dir / "reference.log",
+                900,
+                env={"OMP_NUM_THREADS": "2"},
+            )
+        )
+        if started[0].wait():
+            raise RuntimeError(f"the reference run failed; see {log_dir}/reference.log")
+    return read_json(out)["loss"]
+
+
+def efficiency_and_parity(
+    targets: list[int], default_target: int, seconds: float, parity_steps: int, log_dir: Path, progress
+) -> dict:
+    """The efficiency sweep over target_batch_size, the seed's anchor at the default, and the loss parity."""
+    plain = [plain_pair(seconds, log_dir, "before")]
+    progress("plain loops")
+    default = collab_pair(
+        f"collab{default_target}",
+        ["--target_batch_size", default_target],
+        log_dir,
+        max_steps=parity_steps,
+        timeout=120 + parity_steps * 40,
+    )
+    progress(f"collaboration at target_batch_size {default_target}")
+    anchor = collab_pair("anchor", ["--target_batch_size", default_target, *SEED_FLAGS], log_dir, seconds=seconds)
+    progress("seed anchor")
+    plain.append(plain_pair(seconds, log_dir, "after"))
+    progress("plain loops again")
+    plain_sps = sum(plain) / len(plain)
+    sweep = {default_target: default}
+    for target in targets:
+        if target != default_target:
+            sweep[target] = collab_pair(f"collab{target}", ["--target_batch_size", target], log_dir, seconds=seconds)
+            progress(f"collaboration at target_batch_size {target}")
+    collab_losses = [held_out_loss(folder) for folder in default["models"]]
+    reference = reference_loss(parity_steps, default_target, log_dir)
+    progress("parity reference")
+    return {
+        "plain_samples_per_second": plain,
+        "anchor": {**_public(anchor), "efficiency": ratio(anchor["samples_per_second"], plain_sps)},
+        "sweep": [
+            {"target_batch_size": target, **_public(run), "efficiency": ratio(run["samples_per_second"], plain_sps)}
+            for target, run in sorted(sweep.items())
+        ],
+        "parity": {
+            "steps": parity_steps,
+            "collab_losses": collab_losses,
+            "reference_loss": reference,
+            "ratio": ratio(sum(collab_losses) / len(collab_losses), reference),
+        },
+    }
+
+
+def _public(run: dict) -> dict:
+    return {key: value for key, value in run.items() if key != "models"}
