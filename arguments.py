@@ -298,8 +298,7 @@ class DatasetArguments:
     validation_path: str | None = field(
         default=None,
         metadata={
-            "help": "Evaluation data in the same format as dataset_path; unset: the 'validation' split of "
-            "dataset_path"
+            "help": "Evaluation data in the same format as dataset_path; unset: the 'validation' split of dataset_path"
         },
     )
     tokenizer_path: str = field(
@@ -436,9 +435,7 @@ class MonitorArguments:
     )
     eval_every_checkpoints: int = field(
         default=1,
-        metadata={
-            "help": "Evaluate every this many saved checkpoints on --validation_path (checkpoints); 0: never"
-        },
+        metadata={"help": "Evaluate every this many saved checkpoints on --validation_path (checkpoints); 0: never"},
     )
     eval_max_examples: int = field(
         default=500,

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_AVERAGING_WAIT = 10.0  # seconds a departing peer waits for its last background averaging round
 
+
 def training_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

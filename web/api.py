@@ -207,8 +207,12 @@ def join(body: JoinIn, request: Request, experiment: Experiment = Depends(experi
         raise HTTPException(
             422, [{"type": "value_error", "loc": ["body", "public_key"], "msg": "not a base64 RSA public key"}]
         ) from None
-    logger.info("Issued an access token for experiment %d to %s (until %s)", experiment.id, body.username,
-                token.expiration_time)
+    logger.info(
+        "Issued an access token for experiment %d to %s (until %s)",
+        experiment.id,
+        body.username,
+        token.expiration_time,
+    )
     return {
         "access_token": token_to_json(token),
         "authority_public_key": base64.b64encode(authority.get_public_key().to_bytes()).decode(),

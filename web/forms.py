@@ -20,6 +20,8 @@ from typing import Any
 from arguments import EXPERIMENT_ARGUMENTS, SECRET_SETTINGS, ConfigError, to_config, validate_config
 
 TRUE_VALUES = frozenset({"on", "true", "1", "yes"})
+
+
 # A value the command-line parser would read as a flag (e.g. "--config URL" or "-h"): never let it through.
 @dataclass(frozen=True)
 class FormField:

@@ -14,8 +14,13 @@ PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWGSiXnbyZEN46UhS1odotVQFtBHtxH5gfoJH
 
 
 def parse(*argv):
-    return dict(zip(["peer", "optimizer", "averager", "tracker", "collab", "data", "training"],
-                    parse_args(TRAINER_ARGUMENTS, list(argv)), strict=True))
+    return dict(
+        zip(
+            ["peer", "optimizer", "averager", "tracker", "collab", "data", "training"],
+            parse_args(TRAINER_ARGUMENTS, list(argv)),
+            strict=True,
+        )
+    )
 
 
 def test_defaults_are_valid_and_listen_on_loopback():
@@ -27,8 +32,17 @@ def test_defaults_are_valid_and_listen_on_loopback():
 
 def test_flags_override_json_config(tmp_path):
     config = tmp_path / "run.json"
-    config.write_text(json.dumps({"target_batch_size": 512, "learning_rate": 0.01, "initial_peers": [PEER],
-                                  "fp16": False, "experiment_prefix": "from_file"}))
+    config.write_text(
+        json.dumps(
+            {
+                "target_batch_size": 512,
+                "learning_rate": 0.01,
+                "initial_peers": [PEER],
+                "fp16": False,
+                "experiment_prefix": "from_file",
+            }
+        )
+    )
     args = parse(str(config), "--learning_rate", "0.05")
     assert args["optimizer"].target_batch_size == 512
     assert args["training"].learning_rate == 0.05
@@ -101,8 +115,9 @@ def test_every_field_has_a_help_string():
     ],
 )
 def test_command_line_errors_are_one_line_without_traceback(argv, flag):
-    result = subprocess.run([sys.executable, "run_trainer.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "run_trainer.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("run_trainer.py: error: ") and flag in lines[-1]
@@ -110,8 +125,9 @@ def test_command_line_errors_are_one_line_without_traceback(argv, flag):
 
 
 def test_help_lists_flags_with_units():
-    result = subprocess.run([sys.executable, "run_trainer.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "run_trainer.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0
     assert "--target_batch_size" in result.stdout and "Samples the whole collaboration" in result.stdout
     assert "--matchmaking_time" in result.stdout and "Seconds" in result.stdout

@@ -28,22 +28,37 @@ def tokenizer(sample_data):
 
 
 def squad_rows_for_test() -> Dataset:
-    return Dataset.from_list([
-        {"id": "long", "question": "where is pickle?", "context": CONTEXT,
-         "answers": {"text": ["pickle"], "answer_start": [ANSWER_START]}},
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "id": "long",
+                "question": "where is pickle?",
+                "context": CONTEXT,
+                "answers": {"text": ["pickle"], "answer_start": [ANSWER_START]},
+            },
+        ]
+    )
 
 
 def test_registry_has_every_task_with_its_head():
     assert set(TASKS) == {"mlm", "clm", "seq-cls", "qa"}
     assert [TASKS[t].model_class.__name__ for t in ("mlm", "clm", "seq-cls", "qa")] == [
-        "AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
-        "AutoModelForQuestionAnswering"]
+        "AutoModelForMaskedLM",
+        "AutoModelForCausalLM",
+        "AutoModelForSequenceClassification",
+        "AutoModelForQuestionAnswering",
+    ]
 
 
-@pytest.mark.parametrize("task, head", [("mlm", "BertForMaskedLM"), ("clm", "BertLMHeadModel"),
-                                        ("seq-cls", "BertForSequenceClassification"),
-                                        ("qa", "BertForQuestionAnswering")])
+@pytest.mark.parametrize(
+    "task, head",
+    [
+        ("mlm", "BertForMaskedLM"),
+        ("clm", "BertLMHeadModel"),
+        ("seq-cls", "BertForSequenceClassification"),
+        ("qa", "BertForQuestionAnswering"),
+    ],
+)
 def test_tiny_default_model_for_every_task(task, head, tokenizer):
     model, name = build_model(DatasetArguments(task=task), tokenizer, seed=0)
     assert (type(model).__name__, name) == (head, task)
@@ -85,12 +100,20 @@ def test_best_span_stays_in_the_context_and_ends_after_it_starts():
 
 def test_each_task_evaluates_to_known_keys(tokenizer, sample_data):
     rows = {
-        "seq-cls": Dataset.from_list([{"question": "q?", "passage": "x = 1", "label": 1},
-                                      {"question": "q?", "passage": "Some prose.", "label": 0}]),
+        "seq-cls": Dataset.from_list(
+            [
+                {"question": "q?", "passage": "x = 1", "label": 1},
+                {"question": "q?", "passage": "Some prose.", "label": 0},
+            ]
+        ),
         "qa": squad_rows_for_test(),
     }
-    expected = {"mlm": {"eval_loss", "eval_perplexity"}, "clm": {"eval_loss", "eval_perplexity"},
-                "seq-cls": {"eval_loss", "eval_accuracy"}, "qa": {"eval_loss", "eval_exact_match", "eval_f1"}}
+    expected = {
+        "mlm": {"eval_loss", "eval_perplexity"},
+        "clm": {"eval_loss", "eval_perplexity"},
+        "seq-cls": {"eval_loss", "eval_accuracy"},
+        "qa": {"eval_loss", "eval_exact_match", "eval_f1"},
+    }
     for name, task in TASKS.items():
         args = DatasetArguments(task=name, dataset_path=str(sample_data / "tokenized"))
         model, _ = build_model(args, tokenizer, seed=0)
@@ -153,16 +176,31 @@ def test_predict_prints_a_span_and_a_label_and_rejects_bad_input(tokenizer, tmp_
         model, _ = build_model(DatasetArguments(task=task), tokenizer, seed=0)
         model.save_pretrained(tmp_path / task)
         tokenizer.save_pretrained(tmp_path / task)
-    assert predict_main(["--checkpoint", str(tmp_path / "qa"), "--task", "qa", "--question", "where is pickle?",
-                         "--context", CONTEXT]) == 0
+    assert (
+        predict_main(
+            [
+                "--checkpoint",
+                str(tmp_path / "qa"),
+                "--task",
+                "qa",
+                "--question",
+                "where is pickle?",
+                "--context",
+                CONTEXT,
+            ]
+        )
+        == 0
+    )
     span = capsys.readouterr().out.strip()
     assert span and span in CONTEXT.lower()
     assert predict_main(["--checkpoint", str(tmp_path / "seq-cls"), "--task", "seq-cls", "--text", "x = 1"]) == 0
     label, probability = capsys.readouterr().out.split()
     assert label.startswith("LABEL_") and 0.5 <= float(probability) <= 1
     assert predict_main(["--checkpoint", str(tmp_path / "qa"), "--task", "qa", "--context", "c"]) == 2
-    assert capsys.readouterr().err.strip() == "python -m trainer.predict: error: --question: required (non-empty) " \
-                                              "for --task qa"
+    assert (
+        capsys.readouterr().err.strip() == "python -m trainer.predict: error: --question: required (non-empty) "
+        "for --task qa"
+    )
     assert predict_main(["--checkpoint", str(tmp_path / "nothing"), "--task", "qa"]) == 2
     assert "--checkpoint: no saved model" in capsys.readouterr().err
 

@@ -19,15 +19,25 @@ LOAD_SECONDS = 60
 
 
 def create_experiment(url: str) -> str:
-    created = requests.post(f"{url}/api/experiments", json={"name": "faults", "config": {}},
-                            headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    created = requests.post(
+        f"{url}/api/experiments",
+        json={"name": "faults", "config": {}},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=30,
+    )
     assert created.status_code == 201, created.text
     return created.json()["token"]
 
 
 def record(step: int) -> dict:
-    return {"step": step, "loss": 1.0 + step / 1000, "alive_peers": 2, "samples": step, "samples_per_second": 1.5,
-            "time": 1.0e9 + step}
+    return {
+        "step": step,
+        "loss": 1.0 + step / 1000,
+        "alive_peers": 2,
+        "samples": step,
+        "samples_per_second": 1.5,
+        "time": 1.0e9 + step,
+    }
 
 
 def test_a_killed_app_loses_nothing_it_acknowledged(tmp_path):
@@ -44,8 +54,12 @@ def test_a_killed_app_loses_nothing_it_acknowledged(tmp_path):
                 if time.monotonic() > deadline:
                     return
                 try:
-                    response = session.post(f"{server.url}/api/experiments/1/metrics", json=record(step),
-                                            headers={"Authorization": f"Bearer {token}"}, timeout=5)
+                    response = session.post(
+                        f"{server.url}/api/experiments/1/metrics",
+                        json=record(step),
+                        headers={"Authorization": f"Bearer {token}"},
+                        timeout=5,
+                    )
                 except requests.RequestException:
                     return  # the app is gone: what it answered before is what must survive
                 if response.status_code == 200:
@@ -76,16 +90,22 @@ def test_a_killed_app_loses_nothing_it_acknowledged(tmp_path):
 def start_partial_upload(url: str, token: str, declared: int, sent: int) -> socket.socket:
     """A multipart upload that declares ``declared`` bytes and sends ``sent`` of them; the caller hangs up."""
     boundary = "cutcutcut"
-    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"step\"\r\n\r\n7\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"sha256\"\r\n\r\n{'0' * 64}\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"archive\"; filename=\"checkpoint-7.tar.gz\"\r\n"
-            "Content-Type: application/gzip\r\n\r\n").encode()
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="step"\r\n\r\n7\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="sha256"\r\n\r\n{"0" * 64}\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="archive"; filename="checkpoint-7.tar.gz"\r\n'
+        "Content-Type: application/gzip\r\n\r\n"
+    ).encode()
     target = urlparse(url)
     connection = socket.create_connection((target.hostname, target.port), timeout=30)
     connection.sendall(
-        (f"POST /api/experiments/1/checkpoints HTTP/1.1\r\nHost: {target.netloc}\r\n"
-         f"Authorization: Bearer {token}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\n"
-         f"Content-Length: {len(head) + declared}\r\n\r\n").encode() + head + b"x" * sent
+        (
+            f"POST /api/experiments/1/checkpoints HTTP/1.1\r\nHost: {target.netloc}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"Content-Length: {len(head) + declared}\r\n\r\n"
+        ).encode()
+        + head
+        + b"x" * sent
     )
     return connection
 
@@ -125,8 +145,12 @@ def test_malformed_upload_bodies_are_refused(tmp_path):
         auth = {"Authorization": f"Bearer {token}"}
         url = f"{server.url}/api/experiments/1/checkpoints"
         not_multipart = requests.post(url, data=json.dumps({"step": 1}), headers=auth, timeout=10)
-        garbage = requests.post(url, data=b"--x\r\ngarbage", timeout=10,
-                                headers={**auth, "Content-Type": "multipart/form-data; boundary=x"})
+        garbage = requests.post(
+            url,
+            data=b"--x\r\ngarbage",
+            timeout=10,
+            headers={**auth, "Content-Type": "multipart/form-data; boundary=x"},
+        )
         no_file = requests.post(url, files={"step": (None, "3"), "sha256": (None, "0" * 64)}, headers=auth, timeout=10)
     finally:
         server.stop()
