@@ -43,6 +43,12 @@ class MonitorState:
     pending_evaluation: dict[str, float] = field(default_factory=dict)
 
 
+def is_new_step(step: int, last_step: int | None) -> bool:
+    """Only a step past the last one reported is new: when the peer with the newest record leaves and its record
+    expires, the newest live step can go back, and that is not progress to report again."""
+    return last_step is None or step > last_step
+
+
 def refresh(dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None) -> None:
     """One refresh: read the records, save a checkpoint when due (and evaluate it when that is due), then report a
     new global step to every sink; an evaluation's ``eval_*`` keys ride on the first step reported after it."""
@@ -52,7 +58,7 @@ def refresh(dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: Che
         return
     if saver is not None and saver.maybe_save(metrics.step, metrics.loss, metrics.alive_peers) is not None:
         state.pending_evaluation.update(saver.evaluate())
-    if metrics.step != state.last_step:
+    if is_new_step(metrics.step, state.last_step):
         state.last_step = metrics.step
         state.history.append(metrics)
         write_all(sinks, {**metrics.to_dict(), **state.pending_evaluation})

@@ -13,6 +13,7 @@ from transformers import AutoModelForMaskedLM
 from arguments import MonitorArguments
 from collab.checkpoint import read_manifest, write_checkpoint
 from monitor.checkpoints import is_due
+from monitor.run import is_new_step
 from monitor.sinks import HttpReportSink, JsonLinesSink, build_sinks, last_step_in
 from monitor.upload import FolderTarget, HttpTarget, Uploader, backoff_delays, make_target
 from trainer.model import tiny_bert_config
@@ -107,6 +108,12 @@ def test_folder_upload_copies_a_verified_checkpoint(tmp_path, checkpoint_repo):
 
 def test_backoff_doubles_up_to_a_cap():
     assert backoff_delays(5, first=2.0, cap=10.0) == [2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_only_a_step_past_the_last_reported_one_is_new():
+    assert is_new_step(0, None) and is_new_step(26, 25)
+    assert not is_new_step(25, 25)
+    assert not is_new_step(25, 26)  # the peer at 26 left and its record expired
 
 
 def test_checkpoint_is_due_at_the_first_step_then_every_interval():
