@@ -42,10 +42,6 @@ class Faults:
         logger.warning("Test fault %s injected at global epoch %d", name, epoch)
         return True
 
-    @property
-    def active(self) -> bool:
-        return bool(self.at_epoch or self.pause_write_number)
-
 
 def parse_faults(spec: str) -> Faults:
     """``"nan_loss@3,pause_checkpoint_write@2=60"`` -> Faults; ValueError names a malformed item."""

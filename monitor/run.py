@@ -26,7 +26,7 @@ from arguments import (
 from collab.dht import start_dht
 from collab.optim import build_state_averager
 from collab.schema import make_validators, read_metrics
-from monitor.aggregate import SwarmMetrics, aggregate
+from monitor.aggregate import aggregate
 from monitor.checkpoints import CheckpointSaver
 from monitor.sinks import Sink, build_sinks, last_step_in, write_all
 from monitor.upload import Uploader, make_target
@@ -36,10 +36,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class MonitorState:
-    """What the loop has seen so far (for the closing log line and tests)."""
+    """What the loop has seen so far: the last step reported, and evaluation results waiting for the next one."""
 
     last_step: int | None = None
-    history: list[SwarmMetrics] = field(default_factory=list)
     pending_evaluation: dict[str, float] = field(default_factory=dict)
 
 
@@ -60,7 +59,6 @@ def refresh(dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: Che
         state.pending_evaluation.update(saver.evaluate())
     if is_new_step(metrics.step, state.last_step):
         state.last_step = metrics.step
-        state.history.append(metrics)
         write_all(sinks, {**metrics.to_dict(), **state.pending_evaluation})
         state.pending_evaluation.clear()
 

@@ -114,7 +114,6 @@ class Uploader:
         self.repo_path, self.target, self.interval = repo_path, target, interval
         self.delays = backoff_delays(retries, first_delay)
         self.last_uploaded_step: int | None = None
-        self.uploads = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
 
@@ -142,7 +141,7 @@ class Uploader:
                     "Upload of step %d to %s failed (try %d): %s", manifest.step, self.target, attempt + 1, e
                 )
                 continue
-            self.last_uploaded_step, self.uploads = manifest.step, self.uploads + 1
+            self.last_uploaded_step = manifest.step
             logger.info("Uploaded checkpoint of step %d to %s", manifest.step, self.target)
             return True
         logger.warning("Giving up on step %d until the next upload interval", manifest.step)

@@ -15,7 +15,8 @@ def test_spec_is_parsed_and_each_fault_fires_once():
 
 
 def test_empty_spec_is_inactive():
-    assert not parse_faults("").active
+    faults = parse_faults("")
+    assert (faults.at_epoch, faults.pause_write_number) == ({}, 0)
 
 
 @pytest.mark.parametrize(
