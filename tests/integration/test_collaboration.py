@@ -272,11 +272,14 @@ def test_peers_average_gradients_with_each_other(collaboration):
 
 
 def test_parameters_agree_within_fp16_tolerance(collaboration):
-    a, b = (load_file(str(collaboration.output / name / "model.safetensors")) for name in "AB")
-    assert a.keys() == b.keys()
+    # A and C2 stop together after averaging together; B stops earlier (its max_steps), and with delayed optimizer
+    # steps a departing peer may or may not hold the last update, about one Lamb step (~1%) apart: B is checked
+    # for finiteness only.
+    a, b, c2 = (load_file(str(collaboration.output / name / "model.safetensors")) for name in ("A", "B", "C2"))
+    assert a.keys() == b.keys() == c2.keys()
     for name in a:
-        assert torch.isfinite(a[name]).all() and torch.isfinite(b[name]).all(), f"{name} is not finite"
-        torch.testing.assert_close(b[name], a[name], atol=3e-3, rtol=1e-2, msg=f"A and B differ in {name}")
+        assert all(torch.isfinite(p[name]).all() for p in (a, b, c2)), f"{name} is not finite"
+        torch.testing.assert_close(c2[name], a[name], atol=3e-3, rtol=1e-2, msg=f"A and C2 differ in {name}")
     initial = initial_parameters()
     moved = max((a[name] - initial[name]).abs().max().item() for name in a)
     assert moved > 0.01, "parameters barely moved: the peers did not train"
