@@ -16,6 +16,7 @@ from monitor.checkpoints import is_due
 from monitor.run import is_new_step
 from monitor.sinks import HttpReportSink, JsonLinesSink, build_sinks, last_step_in
 from monitor.upload import FolderTarget, HttpTarget, Uploader, backoff_delays, make_target
+from trainer.local import wait_until
 from trainer.model import tiny_bert_config
 
 STEP = {"step": 3, "loss": 4.5, "alive_peers": 2, "samples": 256, "samples_per_second": 31.5, "time": 1.0e9}
@@ -123,7 +124,10 @@ def test_checkpoint_is_due_at_the_first_step_then_every_interval():
 
 
 def wandb_history(run_file) -> list[dict]:
-    """The history rows of an offline wandb run file (a LevelDB-style log of wandb's protobuf Records)."""
+    """The history rows of an offline wandb run file (a LevelDB-style log of wandb's protobuf Records).
+
+    The file may still be being written: a record cut short at the end is not read.
+    """
     from wandb.proto import wandb_internal_pb2
 
     data, pos, chunks, rows = run_file.read_bytes(), 7, b"", []  # 7 bytes of ":W&B" header
@@ -133,7 +137,7 @@ def wandb_history(run_file) -> list[dict]:
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if (kind, length) == (0, 0):
+        if (kind, length) == (0, 0) or pos > len(data):
             break
         chunks = chunk if kind in (1, 2) else chunks + chunk  # FULL or FIRST start a record
         if kind in (1, 4):  # FULL or LAST end it
@@ -155,6 +159,8 @@ def test_wandb_offline_run_holds_the_logged_steps(tmp_path, monkeypatch):
         sink.write({**STEP, "step": step, "loss": 5.0 - step})
     sink.close()
     [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb's service process may flush the file a moment after finish() returns (seen on a loaded CI machine)
+    wait_until(lambda: len(wandb_history(run_file)) >= 3, timeout=60, what="wandb to flush the offline run file")
     rows = wandb_history(run_file)
     assert [(row["_step"], row["loss"], row["alive_peers"], row["samples"]) for row in rows] == [
         (1, 4.0, 2, 256),
