@@ -98,12 +98,9 @@ def main(argv=None) -> int:
             figures["link"]["goodput_mbit"] = link_goodput_mbit(BANDWIDTH_MBIT, log_dir)
             progress("link goodput")
         if "records" in parts:
-            from bench.records import aggregate_ms, aggregate_ms_with, dht_read_ms, strict_parse
+            from bench.records import aggregate_ms, dht_read_ms
 
-            figures["records"] = {
-                "aggregate_ms_10k": aggregate_ms(10_000),
-                "aggregate_ms_10k_strict_parse": aggregate_ms_with(strict_parse, 10_000),
-            }
+            figures["records"] = {"aggregate_ms_10k": aggregate_ms(10_000)}
             progress("aggregation")
             figures["records"]["dht_1000"] = dht_read_ms(1000)
             progress("DHT read")

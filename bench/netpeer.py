@@ -72,7 +72,7 @@ def publish_metrics(dht: hivemind.DHT, prefix: str, rank: int) -> None:
     """A real LocalMetrics record, signed by this process's key, as a trainer publishes it."""
     _, public_key = make_validators(prefix)
     metrics = LocalMetrics(step=1, samples_per_second=10.0 + rank, samples_accumulated=64, loss=7.5, mini_steps=4)
-    dht.store(metrics_key(prefix), metrics.dict(), get_dht_time() + 600, subkey=public_key)
+    dht.store(metrics_key(prefix), metrics.model_dump(), get_dht_time() + 600, subkey=public_key)
 
 
 def timed_rounds(dht, tensors, prefix: str, args) -> list[tuple[float, float]]:

@@ -18,7 +18,7 @@ def synthetic_records(count: int, now: float) -> dict[bytes, tuple[dict, float]]
                 samples_accumulated=64,
                 loss=7.5 + i % 5,
                 mini_steps=4,
-            ).dict(),
+            ).model_dump(),
             now + 600,
         )
         for i in range(count)
@@ -60,7 +60,7 @@ def dht_read_ms(count: int, repeats: int = 3) -> dict:
     reader = None
     try:
         expiration = get_dht_time() + 600
-        value = LocalMetrics(step=1, samples_per_second=10.0, samples_accumulated=64, loss=7.5, mini_steps=4).dict()
+        value = LocalMetrics(step=1, samples_per_second=10.0, samples_accumulated=64, loss=7.5, mini_steps=4).model_dump()
         futures = [
             writer.store(metrics_key(prefix), value, expiration, subkey=public_key + b"#%05d" % i, return_future=True)
             for i in range(count)
@@ -80,37 +80,3 @@ def dht_read_ms(count: int, repeats: int = 3) -> dict:
         for dht in (reader, writer):
             if dht is not None:
                 dht.shutdown()
-
-
-INT_FIELDS = ("step", "samples_accumulated", "mini_steps")
-FLOAT_FIELDS = ("samples_per_second", "loss")
-
-
-def strict_parse(value) -> LocalMetrics | None:
-    """A prototype of a faster ``collab.schema.parse_metrics``: the same strict rules checked by hand.
-
-    Exact field set; ints that are ints (not bools), floats that are finite floats, nothing negative. Valid values
-    become ``LocalMetrics.construct`` (no second validation).
-    """
-    if type(value) is not dict or value.keys() != LocalMetrics.__fields__.keys():
-        return None
-    for name in INT_FIELDS:
-        if type(value[name]) is not int or value[name] < 0:
-            return None
-    for name in FLOAT_FIELDS:
-        number = value[name]
-        if type(number) is not float or not 0.0 <= number < float("inf"):
-            return None
-    return LocalMetrics.construct(**value)
-
-
-def aggregate_ms_with(parse, count: int, repeats: int = 5) -> float:
-    """``aggregate_ms`` with ``monitor.aggregate.parse_metrics`` replaced by ``parse`` for the measurement."""
-    import monitor.aggregate
-
-    original = monitor.aggregate.parse_metrics
-    monitor.aggregate.parse_metrics = parse
-    try:
-        return aggregate_ms(count, repeats)
-    finally:
-        monitor.aggregate.parse_metrics = original

@@ -175,10 +175,6 @@ def render(header: dict, figures: dict, summary: str) -> str:
                 ["measurement", "ms"],
                 [
                     ["aggregate() over 10,000 records", records["aggregate_ms_10k"]],
-                    [
-                        "the same, records checked by hand (`bench.records.strict_parse`, a proposed change)",
-                        records.get("aggregate_ms_10k_strict_parse"),
-                    ],
                     [f"read {dht.get('read')} of {dht.get('stored')} signed records from the DHT", dht.get("read_ms")],
                 ],
             ),

@@ -96,7 +96,7 @@ class CollaborativeCallback:
             self.dht.store(
                 key=self.key,
                 subkey=self.local_public_key,
-                value=metrics.dict(),
+                value=metrics.model_dump(),
                 expiration_time=get_dht_time() + self.statistics_expiration,
                 return_future=True,
             )

@@ -3,6 +3,10 @@
 Key ``{experiment_prefix}_metrics``, subkey = the publishing peer's RSA public key, so only that peer can
 overwrite its own record (RSASignatureValidator); SchemaValidator rejects any value that is not a strict
 LocalMetrics: non-negative, finite, the right types, no extra fields.
+
+LocalMetrics is one pydantic v2 model (validated in compiled code: the monitor parses every peer's record on every
+refresh); hivemind's SchemaValidator takes pydantic v1 models, so MetricSchema wraps the same model in a v1 field
+type instead of restating the rules.
 """
 
 from __future__ import annotations
@@ -13,26 +17,41 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic.v1 import BaseModel, confloat, conint
+import pydantic.v1
+from pydantic import BaseModel, ConfigDict, Field
 
 logger = logging.getLogger(__name__)
 
 
 class LocalMetrics(BaseModel):
-    """One peer's progress over its last global epoch. ``loss`` is the sum over ``mini_steps`` mini-batches."""
+    """One peer's progress over its last global epoch. ``loss`` is the sum over ``mini_steps`` mini-batches.
 
-    step: conint(ge=0, strict=True)
-    samples_per_second: confloat(ge=0.0, strict=True, allow_inf_nan=False)
-    samples_accumulated: conint(ge=0, strict=True)
-    loss: confloat(ge=0.0, strict=True, allow_inf_nan=False)
-    mini_steps: conint(ge=0, strict=True)
+    Strict: no strings, floats or booleans where an int belongs, nothing negative, no NaN or infinity, no extra
+    fields (an int where a float belongs is a number and is accepted).
+    """
 
-    class Config:
-        extra = "forbid"
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    step: int = Field(ge=0)
+    samples_per_second: float = Field(ge=0.0, allow_inf_nan=False)
+    samples_accumulated: int = Field(ge=0)
+    loss: float = Field(ge=0.0, allow_inf_nan=False)
+    mini_steps: int = Field(ge=0)
 
 
-class MetricSchema(BaseModel):
-    metrics: dict[BytesWithPublicKey, LocalMetrics]
+class _LocalMetricsRecord:
+    """LocalMetrics as a pydantic v1 field type: validates with the model and gives back the plain dict.
+
+    hivemind's SchemaValidator compares the parsed value with the stored one, so a valid record must come back equal.
+    """
+
+    @classmethod
+    def __get_validators__(cls):
+        yield lambda value: LocalMetrics.model_validate(value).model_dump()
+
+
+class MetricSchema(pydantic.v1.BaseModel):
+    metrics: dict[BytesWithPublicKey, _LocalMetricsRecord]
 
 
 def metrics_key(experiment_prefix: str) -> str:
@@ -64,6 +83,6 @@ def read_metrics(dht, experiment_prefix: str) -> dict[bytes, tuple[dict, float]]
 def parse_metrics(value) -> LocalMetrics | None:
     """A LocalMetrics if ``value`` is a valid record, else None (malformed records are ignored, never raised)."""
     try:
-        return LocalMetrics.parse_obj(value)
+        return LocalMetrics.model_validate(value)
     except Exception:
         return None

@@ -90,7 +90,7 @@ def try_forgeries(intruder: hivemind.DHT, prefix: str, victim: bytes) -> tuple[b
     """An outsider without the victim's key overwrites its record, and stores a malformed one of its own."""
     forged = LocalMetrics(step=FORGED_STEP, samples_per_second=1.0, samples_accumulated=1, loss=0.0, mini_steps=1)
     expiration = get_dht_time() + 60
-    forged_ok = intruder.store(metrics_key(prefix), forged.dict(), expiration, subkey=victim)
+    forged_ok = intruder.store(metrics_key(prefix), forged.model_dump(), expiration, subkey=victim)
     malformed_ok = intruder.store(metrics_key(prefix), {"step": "lots", "loss": -1}, expiration, subkey=b"intruder")
     return bool(forged_ok), bool(malformed_ok)
 
@@ -108,7 +108,7 @@ def publish_nan_loss(liar: hivemind.DHT, prefix: str, public_key: bytes) -> None
 
 
 def current_step(records) -> int:
-    return max((LocalMetrics.parse_obj(value).step for value, _ in records.values()), default=-1)
+    return max((LocalMetrics.model_validate(value).step for value, _ in records.values()), default=-1)
 
 
 def averaging_starts(peer: LocalProcess) -> int:
@@ -201,7 +201,7 @@ def collaboration(tmp_path_factory, sample_data):
 
             def poll() -> bool:
                 records = read_metrics(reader, prefix)
-                result.metrics_seen.append({k: LocalMetrics.parse_obj(v) for k, (v, _) in records.items()})
+                result.metrics_seen.append({k: LocalMetrics.model_validate(v) for k, (v, _) in records.items()})
                 if records and result.forged_store_accepted is None:
                     victim = next(iter(records))
                     result.forged_store_accepted, result.malformed_store_accepted = try_forgeries(

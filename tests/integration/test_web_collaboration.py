@@ -102,7 +102,7 @@ def guarded(tmp_path_factory, sample_data):
                 seen_by_member.append(read_metrics(member, prefix))
                 if len(seen_by_member[-1]) == 2 and not outsider_reads:  # both peers alive and publishing
                     outsider_reads.append(outsider.get(metrics_key(prefix), latest=True))
-                    outsider.store(metrics_key(prefix), forged.dict(), get_dht_time() + 60, subkey=outsider_key)
+                    outsider.store(metrics_key(prefix), forged.model_dump(), get_dht_time() + 60, subkey=outsider_key)
                 return all(peer.process.poll() is not None for peer in peers.values())
 
             wait_until(poll, timeout=400, what="both guarded peers to reach max_steps", poll=1.0)

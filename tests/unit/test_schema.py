@@ -20,7 +20,8 @@ def test_valid_record_parses():
         {"step": 1.0},
         {"step": "3"},
         {"samples_per_second": math.nan},
-        {"samples_per_second": 3},  # strict: an int is not a float
+        {"step": True},
+        {"loss": "1.5"},
         {"loss": math.inf},
         {"loss": -0.5},
         {"mini_steps": -2},
@@ -30,6 +31,21 @@ def test_valid_record_parses():
 )
 def test_bad_records_are_rejected(change):
     assert parse_metrics({**GOOD, **change}) is None
+
+
+def test_an_int_where_a_float_belongs_is_a_number():
+    assert parse_metrics({**GOOD, "samples_per_second": 3}).samples_per_second == 3.0
+
+
+def test_the_dht_schema_accepts_exactly_what_the_model_does():
+    """hivemind's SchemaValidator (pydantic v1) delegates to LocalMetrics and gets back a value equal to the input."""
+    from collab.schema import MetricSchema
+
+    key = b"[owner:peer]"
+    assert MetricSchema.parse_obj({"metrics": {key: GOOD}}).dict()["metrics"][key] == GOOD
+    for bad in ({**GOOD, "loss": math.nan}, {**GOOD, "extra_field": 1}, {**GOOD, "step": "3"}):
+        with pytest.raises(ValueError):
+            MetricSchema.parse_obj({"metrics": {key: bad}})
 
 
 def test_missing_fields_and_wrong_shapes_are_rejected():
