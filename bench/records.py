@@ -60,7 +60,9 @@ def dht_read_ms(count: int, repeats: int = 3) -> dict:
     reader = None
     try:
         expiration = get_dht_time() + 600
-        value = LocalMetrics(step=1, samples_per_second=10.0, samples_accumulated=64, loss=7.5, mini_steps=4).model_dump()
+        value = LocalMetrics(
+            step=1, samples_per_second=10.0, samples_accumulated=64, loss=7.5, mini_steps=4
+        ).model_dump()
         futures = [
             writer.store(metrics_key(prefix), value, expiration, subkey=public_key + b"#%05d" % i, return_future=True)
             for i in range(count)

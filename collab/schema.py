@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 
+import pydantic.v1
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
-import pydantic.v1
 from pydantic import BaseModel, ConfigDict, Field
 
 logger = logging.getLogger(__name__)
