@@ -18,19 +18,20 @@ from tqdm.auto import tqdm
 
 from bench.formulas import paper_scaling, summary_json
 from bench.procs import ROOT
+from bench.training import VARIANTS
 
 DEFAULT_PARAMS = 1_450_000  # the default tiny BERT (vocabulary 4096), for the paper model
 FULL = {
-    "targets": [64, 128, 256, 512],
-    "seconds": 40,
+    "targets": [256, 1024, 2048],
+    "seconds": 45,
     "parity_steps": 8,
     "sizes": [1_000_000, 10_000_000, 50_000_000],
     "rounds": 3,
     "peer_counts": [2, 4, 8],
 }
 QUICK = {
-    "targets": [256],
-    "seconds": 15,
+    "targets": [1024],
+    "seconds": 20,
     "parity_steps": 3,
     "sizes": [1_000_000, 10_000_000],
     "rounds": 2,
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     parts = args.only or ["training", "link", "records", "scaling"]
     started = time.monotonic()
     figures: dict = {}
-    ticks = {"training": 6 + len(plan["targets"]), "link": 2, "records": 2, "scaling": 1}
+    ticks = {"training": 5 + len(plan["targets"]) + len(VARIANTS), "link": 2, "records": 2, "scaling": 1}
     with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:
 
         def progress(what: str) -> None:

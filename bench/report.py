@@ -54,6 +54,25 @@ def efficiency_section(training: dict) -> str:
     )
 
 
+def variants_section(training: dict) -> str:
+    default = next(run for run in training["sweep"] if run["target_batch_size"] == training["default_target"])
+    rows = [["defaults", default["samples_per_second"], default["efficiency"], _rounds(default)]]
+    rows += [
+        [run["setting"], run["samples_per_second"], run["efficiency"], _rounds(run)] for run in training["variants"]
+    ]
+    return "\n\n".join(
+        [
+            "Each setting changed alone from the defaults (target_batch_size "
+            f"{training['default_target']}), run between the same two pairs of plain loops as the defaults.",
+            table(["setting", "2 peers, samples/s", "efficiency", "averaging rounds (A/B)"], rows),
+        ]
+    )
+
+
+def _rounds(run: dict) -> str:
+    return "/".join(map(str, run["averaging_rounds"]))
+
+
 def link_section(link: dict) -> str:
     if "skipped" in link:
         return f"Not measured: {link['skipped']}."
@@ -166,6 +185,8 @@ def render(header: dict, figures: dict, summary: str) -> str:
             "the link is shaped for bandwidth only; the bounds are bytes / bandwidth.",
             link_section(link),
         ]
+    if figures.get("training", {}).get("variants"):
+        parts += ["## Settings tried", variants_section(figures["training"])]
     if "records" in figures:
         records = figures["records"]
         dht = records.get("dht_1000", {})

@@ -27,6 +27,14 @@ SEED_FLAGS = [
 ]
 
 
+# Settings tried against the defaults, each alone, between the same two plain-loop pairs as the default's run.
+VARIANTS = {
+    "average_state_every 4": ["--average_state_every", "4"],
+    "matchmaking_time 1": ["--matchmaking_time", "1"],
+    "no delayed step or averaging": ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"],
+}
+
+
 def plain_pair(seconds: float, log_dir: Path, tag: str) -> float:
     """Total samples/s of two plain PyTorch + Lamb loops, one thread each, side by side."""
     outs = [log_dir / f"plain_{tag}_{i}.json" for i in range(2)]
@@ -158,11 +166,17 @@ def efficiency_and_parity(
         ["--target_batch_size", default_target],
         log_dir,
         max_steps=parity_steps,
-        timeout=120 + parity_steps * 40,
+        timeout=180 + parity_steps * 60,
     )
     progress(f"collaboration at target_batch_size {default_target}")
     anchor = collab_pair("anchor", ["--target_batch_size", default_target, *SEED_FLAGS], log_dir, seconds=seconds)
     progress("seed anchor")
+    variants = {}
+    for index, (name, flags) in enumerate(VARIANTS.items()):
+        variants[name] = collab_pair(
+            f"variant{index}", ["--target_batch_size", default_target, *flags], log_dir, seconds=seconds
+        )
+        progress(name)
     plain.append(plain_pair(seconds, log_dir, "after"))
     progress("plain loops again")
     plain_sps = sum(plain) / len(plain)
@@ -176,7 +190,12 @@ def efficiency_and_parity(
     progress("parity reference")
     return {
         "plain_samples_per_second": plain,
+        "default_target": default_target,
         "anchor": {**_public(anchor), "efficiency": ratio(anchor["samples_per_second"], plain_sps)},
+        "variants": [
+            {"setting": name, **_public(run), "efficiency": ratio(run["samples_per_second"], plain_sps)}
+            for name, run in variants.items()
+        ],
         "sweep": [
             {"target_batch_size": target, **_public(run), "efficiency": ratio(run["samples_per_second"], plain_sps)}
             for target, run in sorted(sweep.items())

@@ -7,6 +7,7 @@ import io
 
 from fastapi.testclient import TestClient
 
+from arguments import OptimizerArguments
 from tests.web.helpers import ADMIN, bearer
 from web.app import create_app
 
@@ -38,7 +39,10 @@ def upload(client, experiment, step=4, data=b"checkpoint bytes", sha256=None, to
 
 def test_create_returns_the_full_validated_config_and_the_token(client, experiment):
     assert experiment["id"] == 1 and experiment["version"] == 1 and experiment["name"] == "demo"
-    assert experiment["config"]["max_steps"] == 10 and experiment["config"]["target_batch_size"] == 256
+    assert (
+        experiment["config"]["max_steps"] == 10
+        and experiment["config"]["target_batch_size"] == OptimizerArguments.target_batch_size
+    )
     assert "web_token" not in experiment["config"]
     assert len(experiment["token"]) >= 32
     assert client.get("/api/experiments").json()[0]["name"] == "demo"

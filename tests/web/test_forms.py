@@ -9,7 +9,14 @@ from typing import Literal
 
 import pytest
 
-from arguments import EXPERIMENT_ARGUMENTS, SECRET_SETTINGS, ConfigError, to_config, validate_config
+from arguments import (
+    EXPERIMENT_ARGUMENTS,
+    SECRET_SETTINGS,
+    ConfigError,
+    OptimizerArguments,
+    to_config,
+    validate_config,
+)
 from tests.web.helpers import default_form
 from web.forms import config_from_form, display_values, form_sections, validated_config, widget_kind
 from web.pages import join_commands
@@ -32,7 +39,10 @@ def test_labels_help_defaults_and_widgets_come_from_the_dataclasses():
     assert (peers.kind, peers.default, peers.label) == ("list", [], "Initial peers")
     assert peers.help.startswith("Multiaddrs of running peers")
     assert FIELDS["host_maddrs"].default == ["/ip4/127.0.0.1/tcp/0"]
-    assert (FIELDS["target_batch_size"].kind, FIELDS["target_batch_size"].default) == ("int", 256)
+    assert (FIELDS["target_batch_size"].kind, FIELDS["target_batch_size"].default) == (
+        "int",
+        OptimizerArguments.target_batch_size,
+    )
     assert (FIELDS["learning_rate"].kind, FIELDS["learning_rate"].optional) == ("float", False)
     assert (FIELDS["use_ipfs"].kind, FIELDS["use_ipfs"].default) == ("bool", False)
     assert (FIELDS["identity_path"].kind, FIELDS["identity_path"].optional) == ("text", True)
@@ -72,7 +82,7 @@ def test_unchecked_box_is_false_lists_split_by_line_empty_optional_is_none():
     assert config["fp16"] is False and config["offload_optimizer"] is True
     assert config["initial_peers"] == ["/ip4/1.2.3.4/tcp/1/p2p/X", "/ip4/5.6.7.8/tcp/2/p2p/Y"]
     assert config["identity_path"] is None
-    assert config["target_batch_size"] == "256"
+    assert config["target_batch_size"] == str(OptimizerArguments.target_batch_size)
 
 
 def test_display_values_show_defaults_and_keep_what_was_typed():

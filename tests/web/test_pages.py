@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from arguments import OptimizerArguments
 from tests.web.helpers import ADMIN, ADMIN_TOKEN, default_form
 
 
@@ -36,7 +37,7 @@ def test_form_has_one_fieldset_per_dataclass_with_defaults(client):
     sign_in(client)
     page = client.get("/experiments/new").text
     assert page.count("<fieldset") == 8
-    assert 'id="target_batch_size" name="target_batch_size" value="256"' in page
+    assert f'id="target_batch_size" name="target_batch_size" value="{OptimizerArguments.target_batch_size}"' in page
     assert re.search(r'<textarea id="host_maddrs"[^>]*>/ip4/127.0.0.1/tcp/0</textarea>', page)
     assert re.search(r'type="checkbox" id="offload_optimizer" name="offload_optimizer" value="true" checked', page)
     assert "Samples the whole collaboration accumulates per optimizer step" in page
