@@ -27,7 +27,7 @@ logger = logging.getLogger("demo")
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer.demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=12, help="Global steps to train (default: 12)")
+    parser.add_argument("--steps", type=int, default=8, help="Global steps to train (default: 8)")
     parser.add_argument("--output_dir", default="outputs/demo", help="Folder for logs, metrics and checkpoints")
     parser.add_argument("--timeout", type=float, default=600, help="Give up after this many seconds (default: 600)")
     return parser.parse_args(argv)
