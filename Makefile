@@ -42,7 +42,7 @@ test-unit: setup
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
-# Figures, not tests: about 15-20 minutes on 2 cores (python -m bench --quick: a short smoke run). Needs root for
+# Figures, not tests: about 22 minutes on 2 cores (python -m bench --quick: a short smoke run). Needs root for
 # the network namespaces of the shaped-link part; without them that part is reported as skipped.
 bench: setup
 	$(PY) -m bench

@@ -139,7 +139,7 @@ class OptimizerArguments:
     """The collaboration's global step: when it happens and how gradients and state travel."""
 
     # 1024: on two CPU peers an epoch of the tiny model then lasts about 15 s, long enough to hide matchmaking and
-    # averaging; at 256 (3.5 s epochs) collaborating ran at 0.58 of two plain loops, at 1024 at 0.83 (BENCHMARKS.md).
+    # averaging. Against two plain loops: 0.57 at 256 (3.5 s epochs), 0.76 at 1024, 0.89 at 2048 (BENCHMARKS.md).
     target_batch_size: int = field(
         default=1024,
         metadata={"help": "Samples the whole collaboration accumulates per optimizer step (one global epoch)"},

@@ -24,6 +24,7 @@ import collab  # noqa: F401  (applies the hivemind fixes the trainer runs with)
 from arguments import TrainingArguments
 from collab.optim import lamb_factory
 from collab.schema import LocalMetrics, make_validators, metrics_key
+from trainer.local import wait_until
 
 VOCAB = 4096
 PHASE_TIMEOUT = 300.0
@@ -42,11 +43,7 @@ def model_like_shapes(params: int) -> list[tuple[int, ...]]:
 
 def barrier(sync_dir: Path, phase: str, rank: int, peers: int) -> None:
     (sync_dir / f"{phase}.{rank}").touch()
-    deadline = time.monotonic() + PHASE_TIMEOUT
-    while len(list(sync_dir.glob(f"{phase}.*"))) < peers:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {phase}: peers missing")
-        time.sleep(0.1)
+    wait_until(lambda: len(list(sync_dir.glob(f"{phase}.*"))) >= peers, PHASE_TIMEOUT, f"barrier {phase}", poll=0.1)
 
 
 def start_dht(args, sync_dir: Path) -> hivemind.DHT:
@@ -54,9 +51,7 @@ def start_dht(args, sync_dir: Path) -> hivemind.DHT:
     address = sync_dir / "maddrs.json"
     initial = []
     if args.rank > 0:
-        deadline = time.monotonic() + PHASE_TIMEOUT
-        while not address.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(address.exists, PHASE_TIMEOUT, "the first peer's address", poll=0.2)
         initial = json.loads(address.read_text())
     dht = hivemind.DHT(
         start=True, initial_peers=initial, host_maddrs=[f"/ip4/{args.host}/tcp/0"], record_validators=validators
@@ -93,11 +88,12 @@ def timed_rounds(dht, tensors, prefix: str, args) -> list[tuple[float, float]]:
     try:
         for index in range(args.rounds + 1):
             control = averager.step(wait=False, require_trigger=True, timeout=PHASE_TIMEOUT)
-            deadline = time.monotonic() + PHASE_TIMEOUT
-            while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("no averaging group")
-                time.sleep(0.005)
+            wait_until(
+                lambda control=control: control.stage == AveragingStage.AWAITING_TRIGGER or control.done(),
+                PHASE_TIMEOUT,
+                "an averaging group",
+                poll=0.005,
+            )
             started = time.time()
             control.allow_allreduce()
             group = control.result(timeout=PHASE_TIMEOUT)
@@ -185,9 +181,7 @@ def main(argv=None) -> None:
             out.write_text(json.dumps(results))
         barrier(sync_dir, "end", args.rank, args.peers)
         if args.hold:  # stay in the DHT until the benchmark has read every record
-            deadline = time.monotonic() + PHASE_TIMEOUT
-            while not (sync_dir / "release").exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_until((sync_dir / "release").exists, PHASE_TIMEOUT, "the benchmark's release", poll=0.2)
     finally:
         dht.shutdown()
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from bench.formulas import allreduce_bound_s, median, ratio, round_times, transfer_bound_s
 from bench.procs import ONE_THREAD, Child, children, read_json, shaped_link, wait_for
 from collab.schema import make_validators, read_metrics
-from monitor.aggregate import aggregate
 
 
 def run_peers(
@@ -114,8 +113,10 @@ def shaped_link_bench(sizes: list[int], rounds: int, bandwidth_mbit: float, log_
 
 
 def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, repeats: int = 5) -> float | None:
-    """Median time of one monitor refresh (read the metrics key from the DHT, then aggregate) from a new node."""
+    """Median time of one ``monitor.run.refresh`` (read the metrics key, aggregate) from a new DHT node."""
     import hivemind
+
+    from monitor.run import MonitorState, refresh
 
     validators, _ = make_validators(prefix)
     reader = hivemind.DHT(start=True, initial_peers=initial_peers, client_mode=True, record_validators=validators)
@@ -124,7 +125,7 @@ def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, rep
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            aggregate(read_metrics(reader, prefix), time.time())
+            refresh(reader, prefix, MonitorState(), sinks=[], saver=None)
             times.append(1000 * (time.perf_counter() - started))
         return median(times)
     finally:

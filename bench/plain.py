@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from arguments import DatasetArguments, TrainingArguments
+from arguments import DatasetArguments, OptimizerArguments, TrainingArguments
 from collab.optim import lamb_factory, parameter_groups, scheduler_factory
 from trainer.data import batch_stream, load_split, load_train_split, make_collator
 from trainer.evaluate import language_model_loss
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("out")
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--target_batch_size", type=int, default=256)
+    parser.add_argument("--target_batch_size", type=int, default=OptimizerArguments.target_batch_size)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.mode == "throughput":

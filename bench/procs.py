@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from trainer.local import wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -94,17 +96,15 @@ def children() -> Iterator[list[Child]]:
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.5, alive: Sequence[Child] = ()):
-    """Poll ``condition()`` until truthy; TimeoutError after ``timeout`` s, RuntimeError if a child dies first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
+    """``wait_until(condition)``, with a RuntimeError as soon as one of ``alive`` fails before it holds."""
+
+    def check():
         for child in alive:
             if not child.running() and child.process.returncode != 0:
                 raise RuntimeError(f"{child.log_path.name} exited ({child.process.returncode}) before {what}")
-        time.sleep(poll)
-    raise TimeoutError(f"no {what} within {timeout:.0f} s")
+        return condition()
+
+    return wait_until(check, timeout, what, poll)
 
 
 def read_json(path: Path):
