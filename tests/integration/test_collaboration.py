@@ -279,7 +279,13 @@ def test_parameters_agree_within_fp16_tolerance(collaboration):
     assert a.keys() == b.keys() == c2.keys()
     for name in a:
         assert all(torch.isfinite(p[name]).all() for p in (a, b, c2)), f"{name} is not finite"
-        torch.testing.assert_close(c2[name], a[name], atol=3e-3, rtol=1e-2, msg=f"A and C2 differ in {name}")
+        torch.testing.assert_close(
+            c2[name],
+            a[name],
+            atol=3e-3,
+            rtol=1e-2,
+            msg=lambda detail, name=name: f"A and C2 differ in {name}: {detail}",
+        )
     initial = initial_parameters()
     moved = max((a[name] - initial[name]).abs().max().item() for name in a)
     assert moved > 0.01, "parameters barely moved: the peers did not train"
@@ -386,7 +392,13 @@ def test_checkpoint_matches_the_peers_parameters_and_loads(collaboration):
     final_a = load_file(str(collaboration.output / "A" / "model.safetensors"))
     for name, tensor in model.state_dict().items():
         if name in final_a:
-            torch.testing.assert_close(tensor, final_a[name], atol=3e-3, rtol=1e-2, msg=f"{name} differs from A's")
+            torch.testing.assert_close(
+                tensor,
+                final_a[name],
+                atol=3e-3,
+                rtol=1e-2,
+                msg=lambda detail, name=name: f"{name} differs from A's: {detail}",
+            )
 
 
 def test_checkpoint_uploaded_after_a_refusal(collaboration):
