@@ -156,6 +156,14 @@ class OptimizerArguments:
         default=60.0,
         metadata={"help": "Seconds after which an averaging round is abandoned (about 2x the all-reduce time)"},
     )
+    next_chunk_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds an averaging round waits for a peer's next piece of data before it averages without that "
+            "peer (default: a third of averaging_timeout). Peers start a round up to a few seconds apart; a timeout "
+            "shorter than that gap drops the late peer, so both keep unaveraged values and drift apart"
+        },
+    )
     load_state_timeout: float = field(
         default=120.0,
         metadata={"help": "Seconds to wait for one attempt to download the state from a peer"},
@@ -185,6 +193,15 @@ class OptimizerArguments:
         _require_positive(self, "target_batch_size", "matchmaking_time", "averaging_timeout", "load_state_timeout")
         _require_positive(self, "bandwidth", "average_state_every")
         _require_non_negative(self, "batch_size_lead")
+        if self.next_chunk_timeout is not None:
+            _require_positive(self, "next_chunk_timeout")
+            if self.next_chunk_timeout >= self.averaging_timeout / 2:
+                _fail(
+                    "next_chunk_timeout",
+                    f"must be under half of --averaging_timeout ({self.next_chunk_timeout} >= "
+                    f"{self.averaging_timeout} / 2): a round waits up to twice this for results; lower it or leave "
+                    "it unset",
+                )
         if self.batch_size_lead >= self.target_batch_size:
             _fail(
                 "batch_size_lead",
@@ -196,6 +213,10 @@ class OptimizerArguments:
             _fail(
                 "delay_grad_averaging", "needs --delay_optimizer_step; turn it on or pass --delay_grad_averaging false"
             )
+
+    def chunk_timeout(self) -> float:
+        """``next_chunk_timeout``, or a third of ``averaging_timeout`` when unset (results may take twice as long)."""
+        return self.next_chunk_timeout if self.next_chunk_timeout is not None else self.averaging_timeout / 3
 
 
 @dataclass

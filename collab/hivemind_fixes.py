@@ -9,6 +9,15 @@ answer from another process can form an unreachable cycle; the garbage collector
 a task factory that holds every task until it is done. The processes are forked from ours, so the patch applied
 here is inherited by them.
 
+Averaging parts refused while a groupmate waits for its trigger. Optimizer rounds are matched in advance and each
+peer starts its all-reduce when its own step triggers it, so one peer may send its parts a moment before another
+has registered the group. The receiver is meant to wait for that registration, but it waits on one event shared by
+all of an averager's rounds, and with delayed averaging a pre-scheduled round overlaps the previous one, whose end
+sets that event: the receiver answers BAD_GROUP_ID at once, the sender keeps its own values for that part and the
+receiver, having no input from the sender, drops it too. The round "succeeds" with half the tensors unaveraged on
+each side, the peers drift apart, and the timeouts that follow make the next round start apart again. We make the
+receiver wait (up to the sender timeout) until that very group is registered.
+
 Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
 process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the
 trainer itself no longer stops on Ctrl-C. We let the child start with SIGINT ignored and give the caller its
@@ -18,12 +27,18 @@ handler back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
+import time
+from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind.averaging.averager
 import hivemind.dht.dht
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import asyncio as hivemind_asyncio
+from hivemind.utils.asyncio import achain, anext, as_aiter
 
 _running_tasks: set[asyncio.Task] = set()
 _original_switch_to_uvloop = hivemind_asyncio.switch_to_uvloop
@@ -57,10 +72,54 @@ def run_in_background_keeping_sigint(self, *args, **kwargs):
         signal.signal(signal.SIGINT, handler)
 
 
+_original_rpc_aggregate_part = hivemind.averaging.averager.DecentralizedAverager.rpc_aggregate_part
+_original_register_allreduce_group = hivemind.averaging.averager.DecentralizedAverager._register_allreduce_group
+_GROUPS_CHANGED = "_collab_groups_changed"  # an asyncio.Event on the averager, set when a group registers
+
+
+@contextlib.contextmanager
+def register_allreduce_group_waking_senders(self, group_info):
+    """hivemind's registration, which also wakes the requests waiting for this group (see rpc_aggregate_part)."""
+    with _original_register_allreduce_group(self, group_info):
+        event = self.__dict__.pop(_GROUPS_CHANGED, None)
+        if event is not None:
+            event.set()
+        yield
+
+
+async def wait_for_group(averager, group_id: bytes, timeout: float) -> None:
+    """Return once ``group_id`` is registered in ``averager``, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while group_id not in averager._running_groups and (remaining := deadline - time.monotonic()) > 0:
+        event = averager.__dict__.setdefault(_GROUPS_CHANGED, asyncio.Event())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), remaining)
+
+
+async def rpc_aggregate_part_waiting_for_group(
+    self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+) -> AsyncIterator[averaging_pb2.AveragingData]:
+    """hivemind's ``rpc_aggregate_part``, except that a part for a group this peer has not registered yet waits for
+    that group for up to the sender timeout instead of being refused with BAD_GROUP_ID."""
+    request = await anext(stream)
+    timeout = self.allreduce_kwargs.get("sender_timeout") or self.matchmaking_kwargs["request_timeout"]
+    await wait_for_group(self, request.group_id, timeout)
+    future = self._running_groups.get(request.group_id)
+    if future is None:
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+        return
+    group = await future
+    async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+        yield message
+
+
 def apply() -> None:
     for module in (hivemind.averaging.averager, hivemind.dht.dht):
         module.switch_to_uvloop = switch_to_uvloop_keeping_tasks
-    hivemind.averaging.averager.DecentralizedAverager.run_in_background = run_in_background_keeping_sigint
+    averager = hivemind.averaging.averager.DecentralizedAverager
+    averager.run_in_background = run_in_background_keeping_sigint
+    averager._register_allreduce_group = register_allreduce_group_waking_senders
+    averager.rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
 
 
 apply()

@@ -121,6 +121,7 @@ def build_optimizer(
         scheduler=scheduler_factory(training_args),
         matchmaking_time=optimizer_args.matchmaking_time,
         averaging_timeout=optimizer_args.averaging_timeout,
+        next_chunk_timeout=optimizer_args.chunk_timeout(),
         load_state_timeout=optimizer_args.load_state_timeout,
         offload_optimizer=optimizer_args.offload_optimizer,
         delay_optimizer_step=optimizer_args.delay_optimizer_step,

@@ -30,6 +30,11 @@ def test_defaults_are_valid_and_listen_on_loopback():
     assert args["data"].model_name_or_path is None  # the tiny built-in model, no download
 
 
+def test_next_chunk_timeout_follows_averaging_timeout_unless_set():
+    assert parse("--averaging_timeout", "45")["optimizer"].chunk_timeout() == 15
+    assert parse("--averaging_timeout", "45", "--next_chunk_timeout", "5")["optimizer"].chunk_timeout() == 5
+
+
 def test_flags_override_json_config(tmp_path):
     config = tmp_path / "run.json"
     config.write_text(
@@ -64,6 +69,8 @@ def test_config_round_trips_through_to_config(tmp_path):
         (["--target_batch_size", "-5"], "--target_batch_size"),
         (["--target_batch_size", "abc"], "--target_batch_size"),
         (["--batch_size_lead", "256", "--target_batch_size", "256"], "--batch_size_lead"),
+        (["--next_chunk_timeout", "30", "--averaging_timeout", "60"], "--next_chunk_timeout"),
+        (["--next_chunk_timeout", "0"], "--next_chunk_timeout"),
         (["--initial_peers", "not-an-address"], "--initial_peers"),
         (["--initial_peers", "/ip4/127.0.0.1/tcp/31337"], "--initial_peers"),
         (["--host_maddrs", "/ip4/999.0.0.1/tcp/0"], "--host_maddrs"),
