@@ -1,4 +1,4 @@
-"""Fixes for hivemind 1.1.12 bugs that hang a collaboration, applied when ``collab`` is imported.
+"""Fixes for hivemind 1.1.12 bugs that hang a collaboration or let peers drift apart; applied on ``import collab``.
 
 Pending asyncio tasks collected by the garbage collector. hivemind's averager and DHT processes start each
 command with ``task = asyncio.create_task(...)`` and drop the reference at the next command. asyncio keeps
