@@ -164,6 +164,13 @@ class OptimizerArguments:
             "shorter than that gap drops the late peer, so both keep unaveraged values and drift apart"
         },
     )
+    grad_compression: Literal["fp16", "8bit"] = field(
+        default="fp16",
+        metadata={
+            "help": "How gradients travel in averaging: fp16 (2 bytes a value), or 8bit (tensors of 65,536 values or "
+            "more as 8-bit uniform quantization, 1 byte a value, smaller ones fp16; sahajBERT's choice) for slow links"
+        },
+    )
     load_state_timeout: float = field(
         default=120.0,
         metadata={"help": "Seconds to wait for one attempt to download the state from a peer"},

@@ -140,6 +140,7 @@ def summarize(figures: dict) -> str:
         largest = link["rows"][-1]
         out["allreduce_vs_bound"] = largest["allreduce_vs_bound"]
         out["join_vs_bound"] = largest["join_vs_bound"]
+        out["allreduce_8bit_vs_bound"] = link["eight_bit"]["allreduce_vs_fp16_bound"]
     if "records" in figures:
         out["aggregate_ms_10k"] = figures["records"]["aggregate_ms_10k"]
     if "scaling" in figures:

@@ -14,6 +14,7 @@ SUMMARY_KEYS = (
     "anchor_efficiency",
     "allreduce_vs_bound",
     "join_vs_bound",
+    "allreduce_8bit_vs_bound",
     "aggregate_ms_10k",
     "parity_loss_ratio",
     "scaling",

@@ -1,8 +1,9 @@
 """One peer of the averaging benchmarks: ``python -m bench.netpeer --rank R --peers N --sync_dir D ...``.
 
 Rank 0 starts the DHT and writes its address to D; the others join through it. For each model size the peers
-run timed fp16 all-reduce rounds (group of all N peers, all-reduce started by hand once the group is formed, so
-matchmaking is not counted); with ``--join_state`` rank 1 then downloads rank 0's parameters and Lamb state.
+run timed all-reduce rounds, fp16 or ``--compression 8bit`` (group of all N peers, all-reduce started by hand once
+the group is formed, so matchmaking is not counted); with ``--join_state`` rank 1 then downloads rank 0's parameters
+and Lamb state.
 Results go to ``D/rank{R}.json``; the peers meet at file barriers in D between phases.
 """
 
@@ -22,7 +23,7 @@ from hivemind.utils import get_dht_time
 
 import collab  # noqa: F401  (applies the hivemind fixes the trainer runs with)
 from arguments import TrainingArguments
-from collab.optim import lamb_factory
+from collab.optim import gradient_compression, lamb_factory
 from collab.schema import LocalMetrics, make_validators, metrics_key
 from trainer.local import wait_until
 
@@ -77,7 +78,7 @@ def timed_rounds(dht, tensors, prefix: str, args) -> list[tuple[float, float]]:
         dht=dht,
         prefix=prefix,
         start=True,
-        compression=Float16Compression(),
+        compression=gradient_compression(args.compression),
         target_group_size=args.peers,
         min_group_size=args.peers,
         min_matchmaking_time=args.matchmaking_time,
@@ -156,6 +157,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--matchmaking_time", type=float, default=2.0)
     parser.add_argument("--bandwidth", type=float, default=100.0)
+    parser.add_argument("--compression", choices=["fp16", "8bit"], default="fp16", help="as --grad_compression")
     parser.add_argument("--join_state", action="store_true")
     parser.add_argument("--hold", action="store_true", help="wait for D/release before leaving")
     parser.add_argument("--metrics_prefix", default="bench")

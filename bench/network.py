@@ -21,6 +21,7 @@ def run_peers(
     join_state: bool = False,
     prefix: str = "bench",
     on_ready=None,
+    compression: str = "fp16",
 ) -> list[dict]:
     """Start ``peers`` netpeer processes (rank i on ``hosts[i]``, or loopback) and return their result files.
 
@@ -43,6 +44,8 @@ def run_peers(
                 rounds,
                 "--metrics_prefix",
                 prefix,
+                "--compression",
+                compression,
                 "--sizes",
                 *sizes,
             ]
@@ -69,8 +72,11 @@ def run_peers(
     return [read_json(sync_dir / f"rank{rank}.json") for rank in range(peers)]
 
 
-def link_figures(rounds: list[dict], joins: dict[int, dict], sizes: list[int], bandwidth_mbit: float) -> dict:
-    """Median round time and state download per model size, each next to its bandwidth bound."""
+def link_figures(
+    rounds: list[dict], joins: dict[int, dict], sizes: list[int], bandwidth_mbit: float, eight_bit: list[dict]
+) -> dict:
+    """Median round time and state download per model size, each next to its bandwidth bound; the largest model's
+    rounds with ``--grad_compression 8bit`` (``eight_bit``, the peers' results) next to the same fp16 bound."""
     rows = []
     for size in sizes:
         key = str(size)
@@ -91,7 +97,20 @@ def link_figures(rounds: list[dict], joins: dict[int, dict], sizes: list[int], b
                 "join_vs_bound": ratio(join and join["seconds"], join_bound),
             }
         )
-    return {"bandwidth_mbit": bandwidth_mbit, "delay_ms": 0, "rows": rows}
+    key = str(sizes[-1])
+    eight_bit_s = median(round_times([r["rounds"][key] for r in eight_bit]))
+    largest = rows[-1]
+    return {
+        "bandwidth_mbit": bandwidth_mbit,
+        "delay_ms": 0,
+        "rows": rows,
+        "eight_bit": {
+            "params": largest["params"],
+            "allreduce_s": eight_bit_s,
+            "allreduce_vs_fp16_bound": ratio(eight_bit_s, largest["allreduce_bound_s"]),
+            "speedup_over_fp16": ratio(largest["allreduce_s"], eight_bit_s),
+        },
+    }
 
 
 def shaped_link_bench(sizes: list[int], rounds: int, bandwidth_mbit: float, log_dir: Path) -> dict:
@@ -107,9 +126,10 @@ def shaped_link_bench(sizes: list[int], rounds: int, bandwidth_mbit: float, log_
                     merged["numel"].update(result["numel"])
                 result = run_peers(2, [size], rounds, log_dir, timeout=600, hosts=hosts, join_state=True)
                 joins[size] = result[1]["join"].get(str(size))
+            eight_bit = run_peers(2, sizes[-1:], rounds, log_dir, 600, hosts, compression="8bit")
     except OSError as e:
         return {"skipped": str(e)}
-    return link_figures(averaged, joins, sizes, bandwidth_mbit)
+    return link_figures(averaged, joins, sizes, bandwidth_mbit, eight_bit)
 
 
 def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, repeats: int = 5) -> float | None:

@@ -90,6 +90,7 @@ def link_section(link: dict) -> str:
         for row in link["rows"]
     ]
     goodput = link.get("goodput_mbit")
+    eight_bit = link["eight_bit"]
     return "\n\n".join(
         [
             table(
@@ -105,6 +106,10 @@ def link_section(link: dict) -> str:
                 ],
                 rows,
             ),
+            f"With `--grad_compression 8bit` (tensors of 65,536+ values as 8-bit uniform quantization) the "
+            f"{eight_bit['params']:,}-parameter round takes {_f(eight_bit['allreduce_s'])} s: "
+            f"{_f(eight_bit['allreduce_vs_fp16_bound'])} of the fp16 bound above, "
+            f"{_f(eight_bit['speedup_over_fp16'])}x faster than fp16.",
             f"Raw TCP over the same link, both directions at once: {_f(goodput, 1)} Mbit/s each way "
             "(the link is not the bottleneck when this is close to the shaped rate).",
         ]
@@ -144,6 +149,9 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   group is formed (`require_trigger`), so matchmaking is not counted; a round lasts from the last peer's trigger to
   the last peer's finish (median of the rounds after one warm-up). Bound: 2·(N−1)/N · 2P bytes / bandwidth. The
   summary reports the largest model.
+- **allreduce_8bit_vs_bound**: the largest model's rounds again with `--grad_compression 8bit` (tensors of 65,536
+  values or more as hivemind's `Uniform8BitQuantization`, the rest fp16), divided by the same fp16 bound: below 1.0
+  means 8-bit beats what fp16 could reach on this link.
 - **join_vs_bound**: on the same link, a newcomer's `TrainingStateAverager.load_state_from_peers` (parameters and
   Lamb's two moments, fp16) from the other peer, divided by its bytes (2 bytes × values) / bandwidth.
 - **aggregate_ms_10k**: `monitor.aggregate.aggregate` over 10,000 valid records (median of 5); beside it, the time

@@ -32,6 +32,7 @@ VARIANTS = {
     "average_state_every 4": ["--average_state_every", "4"],
     "matchmaking_time 1": ["--matchmaking_time", "1"],
     "no delayed step or averaging": ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"],
+    "grad_compression 8bit": ["--grad_compression", "8bit"],
 }
 
 

@@ -18,6 +18,10 @@ receiver, having no input from the sender, drops it too. The round "succeeds" wi
 each side, the peers drift apart, and the timeouts that follow make the next round start apart again. We make the
 receiver wait (up to the sender timeout) until that very group is registered.
 
+8-bit gradients that cannot be read. ``Quantization.extract`` reads the codebook size with ``int()`` on a
+one-element array, which numpy 2 refuses (TypeError), so every 8-bit part a peer received broke its round. We read
+that one value by index.
+
 Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
 process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the
 trainer itself no longer stops on Ctrl-C. We let the child start with SIGINT ignored and give the caller its
@@ -34,7 +38,10 @@ import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind.averaging.averager
+import hivemind.compression.quantization
 import hivemind.dht.dht
+import numpy as np
+import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import asyncio as hivemind_asyncio
@@ -113,6 +120,17 @@ async def rpc_aggregate_part_waiting_for_group(
         yield message
 
 
+def quantization_extract(self, serialized_tensor) -> torch.Tensor:
+    """hivemind's ``Quantization.extract`` with the codebook size read as ``array[0]`` (numpy 2 compatible)."""
+    buffer = serialized_tensor.buffer
+    codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+    codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+    quantized = torch.from_numpy(quantized.astype(np.int64)).reshape(tuple(serialized_tensor.size))
+    codebook = torch.from_numpy(codebook.copy()).to(dtype=getattr(torch, serialized_tensor.dtype))
+    return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+
 def apply() -> None:
     for module in (hivemind.averaging.averager, hivemind.dht.dht):
         module.switch_to_uvloop = switch_to_uvloop_keeping_tasks
@@ -120,6 +138,7 @@ def apply() -> None:
     averager.run_in_background = run_in_background_keeping_sigint
     averager._register_allreduce_group = register_allreduce_group_waking_senders
     averager.rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
+    hivemind.compression.quantization.Quantization.extract = quantization_extract
 
 
 apply()

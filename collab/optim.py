@@ -12,7 +12,12 @@ from collections.abc import Callable
 
 import hivemind
 import torch
-from hivemind.compression import Float16Compression
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+)
 from hivemind.optim.state_averager import TrainingStateAverager
 from torch_optimizer import Lamb
 from transformers import get_linear_schedule_with_warmup
@@ -47,6 +52,19 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         {"params": [p for n, p in named if n not in no_decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0},
     ]
+
+
+EIGHT_BIT_MIN_VALUES = 2**16  # smaller tensors (biases, norms) gain little from 8 bits and lose the most precision
+
+
+def gradient_compression(name: str) -> CompressionBase:
+    """``--grad_compression``: fp16 for every tensor, or 8-bit uniform quantization for tensors of
+    ``EIGHT_BIT_MIN_VALUES`` values or more and fp16 for the rest (as sahajBERT averaged its gradients)."""
+    if name == "8bit":
+        return SizeAdaptiveCompression(
+            threshold=EIGHT_BIT_MIN_VALUES, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+        )
+    return Float16Compression()
 
 
 def lamb_factory(training_args: TrainingArguments) -> Callable:
@@ -128,7 +146,7 @@ def build_optimizer(
         delay_grad_averaging=optimizer_args.delay_grad_averaging,
         average_state_every=optimizer_args.average_state_every,
         client_mode=peer_args.client_mode,
-        grad_compression=Float16Compression(),
+        grad_compression=gradient_compression(optimizer_args.grad_compression),
         state_averaging_compression=Float16Compression(),
         load_state_compression=Float16Compression(),
         averager_opts={"bandwidth": optimizer_args.bandwidth, "target_group_size": averager_args.target_group_size},

@@ -5,7 +5,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
 from arguments import TrainingArguments
-from collab.optim import lamb_factory, local_batch_size, parameter_groups, scheduler_factory
+from collab.optim import (
+    EIGHT_BIT_MIN_VALUES,
+    gradient_compression,
+    lamb_factory,
+    local_batch_size,
+    parameter_groups,
+    scheduler_factory,
+)
 from trainer.model import tiny_bert_config
 
 
@@ -61,3 +68,22 @@ def test_lamb_uses_the_training_arguments():
 def test_local_batch_size_counts_accumulation():
     args = TrainingArguments(per_device_train_batch_size=8, gradient_accumulation_steps=3)
     assert local_batch_size(args) == 24 * max(1, torch.cuda.device_count())
+
+
+def wire_bytes_and_error(name: str, tensor: torch.Tensor) -> tuple[int, float]:
+    """Bytes ``--grad_compression name`` sends for ``tensor``, and its relative error after the round trip."""
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+    message = gradient_compression(name).compress(tensor, CompressionInfo.from_tensor(tensor))
+    restored = deserialize_torch_tensor(message)
+    return len(message.buffer), ((restored - tensor).norm() / tensor.norm()).item()
+
+
+def test_8bit_gradients_take_one_byte_a_value_for_large_tensors_only():
+    torch.manual_seed(0)
+    large, small = torch.randn(EIGHT_BIT_MIN_VALUES), torch.randn(EIGHT_BIT_MIN_VALUES - 1)
+    fp16_bytes, fp16_error = wire_bytes_and_error("fp16", large)
+    eight_bit_bytes, eight_bit_error = wire_bytes_and_error("8bit", large)
+    assert fp16_bytes >= 2 * large.numel() and eight_bit_bytes < 0.6 * fp16_bytes
+    assert fp16_error < 1e-3 and eight_bit_error < 0.05  # about 1/256 of the ±6 sigma range per value
+    assert wire_bytes_and_error("8bit", small)[0] == wire_bytes_and_error("fp16", small)[0]
