@@ -159,9 +159,9 @@ class OptimizerArguments:
     next_chunk_timeout: float | None = field(
         default=None,
         metadata={
-            "help": "Seconds an averaging round waits for a peer's next piece of data before it averages without that "
-            "peer (default: a third of averaging_timeout). Peers start a round up to a few seconds apart; a timeout "
-            "shorter than that gap drops the late peer, so both keep unaveraged values and drift apart"
+            "help": "Seconds an averaging round waits for a groupmate's next piece of data before it averages without "
+            "that peer (default: matchmaking_time, as hivemind). Longer keeps a peer that starts its round late; "
+            "shorter loses less time when a matched peer never comes (each such round waits this long)"
         },
     )
     grad_compression: Literal["fp16", "8bit"] = field(
@@ -222,8 +222,8 @@ class OptimizerArguments:
             )
 
     def chunk_timeout(self) -> float:
-        """``next_chunk_timeout``, or a third of ``averaging_timeout`` when unset (results may take twice as long)."""
-        return self.next_chunk_timeout if self.next_chunk_timeout is not None else self.averaging_timeout / 3
+        """``next_chunk_timeout``, or ``matchmaking_time`` when unset (hivemind's default)."""
+        return self.next_chunk_timeout if self.next_chunk_timeout is not None else self.matchmaking_time
 
 
 @dataclass
