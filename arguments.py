@@ -275,7 +275,7 @@ class CollaborationArguments:
         default=600.0,
         metadata={
             "help": "Lifetime of this peer's published metrics in the DHT (s); the monitor counts a peer "
-            "alive until its record expires"
+            "alive until its record expires or falls alive_step_lag global epochs behind"
         },
     )
     backup_every_steps: int = field(
@@ -432,6 +432,15 @@ class MonitorArguments:
     wandb_run_name: str | None = field(
         default=None, metadata={"help": "Weights & Biases run name; unset: the experiment_prefix"}
     )
+    alive_step_lag: int = field(
+        default=2,
+        metadata={
+            "help": "A peer counts as alive, and its loss and samples/s in the aggregate, while its newest metrics "
+            "record is at most this many global epochs behind the newest one (global epochs). A peer that died or "
+            "fell behind stops counting after that many epochs instead of when its record expires "
+            "(statistics_expiration); raise it when epochs last only a few seconds"
+        },
+    )
     report_url: str | None = field(
         default=None,
         metadata={
@@ -475,7 +484,7 @@ class MonitorArguments:
     def __post_init__(self) -> None:
         _require_positive(self, "refresh_period", "save_checkpoint_step_interval", "keep_checkpoints")
         _require_positive(self, "eval_max_examples")
-        _require_non_negative(self, "eval_every_checkpoints")
+        _require_non_negative(self, "eval_every_checkpoints", "alive_step_lag")
         if self.upload_interval is not None:
             _require_positive(self, "upload_interval")
             if not self.upload_to:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from arguments import MonitorArguments
 from collab.schema import LocalMetrics, parse_metrics
 
 
@@ -40,22 +41,28 @@ def live_metrics(records: Mapping[Any, tuple[Any, float]], now: float) -> dict[A
     return alive
 
 
-def aggregate(records: Mapping[Any, tuple[Any, float]], now: float) -> SwarmMetrics | None:
+def aggregate(
+    records: Mapping[Any, tuple[Any, float]], now: float, step_lag: int = MonitorArguments.alive_step_lag
+) -> SwarmMetrics | None:
     """Σ loss / Σ mini_steps, alive peers, samples and samples/s over live records; None when there are none.
 
     ``records`` maps each peer (its public key) to ``(value, expiration_time)``, as ``collab.schema.read_metrics``
-    returns them, so one peer is counted once however many times it published.
+    returns them, so one peer is counted once however many times it published. A record more than ``step_lag``
+    global epochs behind the newest is left out: its peer died or fell behind (peers in sync publish every epoch),
+    and its old loss and samples/s would stay in the sums until the record expires, minutes later.
     """
     alive = live_metrics(records, now)
     if not alive:
         return None
-    mini_steps = sum(m.mini_steps for m in alive.values())
+    step = max(m.step for m in alive.values())
+    current = [m for m in alive.values() if m.step >= step - step_lag]
+    mini_steps = sum(m.mini_steps for m in current)
     return SwarmMetrics(
-        step=max(m.step for m in alive.values()),
-        loss=sum(m.loss for m in alive.values()) / mini_steps if mini_steps else None,
-        alive_peers=len(alive),
-        samples=sum(m.samples_accumulated for m in alive.values()),
-        samples_per_second=sum(m.samples_per_second for m in alive.values()),
+        step=step,
+        loss=sum(m.loss for m in current) / mini_steps if mini_steps else None,
+        alive_peers=len(current),
+        samples=sum(m.samples_accumulated for m in current),
+        samples_per_second=sum(m.samples_per_second for m in current),
         time=now,
     )
 

@@ -48,10 +48,12 @@ def is_new_step(step: int, last_step: int | None) -> bool:
     return last_step is None or step > last_step
 
 
-def refresh(dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None) -> None:
+def refresh(
+    dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None, step_lag: int
+) -> None:
     """One refresh: read the records, save a checkpoint when due (and evaluate it when that is due), then report a
     new global step to every sink; an evaluation's ``eval_*`` keys ride on the first step reported after it."""
-    metrics = aggregate(read_metrics(dht, prefix), get_dht_time())
+    metrics = aggregate(read_metrics(dht, prefix), get_dht_time(), step_lag)
     if metrics is None:
         logger.debug("No live metrics records yet")
         return
@@ -126,7 +128,7 @@ def run_monitor(
         logger.info("Monitoring %s every %.0f s", peer_args.experiment_prefix, monitor_args.refresh_period)
         while not stop.is_set():
             try:
-                refresh(dht, peer_args.experiment_prefix, state, sinks, saver)
+                refresh(dht, peer_args.experiment_prefix, state, sinks, saver, monitor_args.alive_step_lag)
             except Exception:
                 logger.exception("Refresh failed; trying again in %.0f s", monitor_args.refresh_period)
             stop.wait(monitor_args.refresh_period)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monitor.aggregate import aggregate, format_line
+from monitor.aggregate import aggregate, format_line, live_metrics
 
 NOW = 1000.0
 
@@ -48,6 +48,20 @@ def test_zero_mini_steps_gives_no_loss_instead_of_dividing_by_zero():
 def test_expired_records_are_not_alive():
     metrics = aggregate({b"a": (record(), NOW + 1), b"old": (record(step=9), NOW), b"older": (record(), NOW - 5)}, NOW)
     assert (metrics.alive_peers, metrics.step) == (1, 1)
+
+
+def test_a_peer_that_stopped_publishing_stops_counting_after_step_lag_epochs():
+    # killed at step 4, its record lives for minutes: it must not keep its loss and samples/s in the sums
+    records = {
+        b"dead": (record(step=4, loss=80.0, mini_steps=4, samples=64, sps=25.0), NOW + 500),
+        b"a": (record(step=7, loss=6.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"b": (record(step=6, loss=4.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+    }
+    metrics = aggregate(records, NOW, step_lag=2)
+    assert (metrics.step, metrics.alive_peers, metrics.samples, metrics.samples_per_second) == (7, 2, 64, 20.0)
+    assert metrics.loss == pytest.approx(10.0 / 4)
+    assert aggregate(records, NOW, step_lag=3).alive_peers == 3  # 4 >= 7 - 3: still counted
+    assert aggregate(records, NOW, step_lag=0).alive_peers == 1  # only the newest step
 
 
 def test_each_peer_counts_once():
@@ -118,9 +132,11 @@ records = st.one_of(
     )
 )
 def test_any_records_never_crash_and_only_valid_ones_count(raw):
-    metrics = aggregate(raw, NOW)
+    metrics = aggregate(raw, NOW, step_lag=2)
     if metrics is None:
         return
+    counted = [m for m in live_metrics(raw, NOW).values() if m.step >= metrics.step - 2]
+    assert metrics.alive_peers == len(counted) and metrics.samples == sum(m.samples_accumulated for m in counted)
     assert 1 <= metrics.alive_peers <= len(raw)
     assert metrics.step >= 0 and metrics.samples >= 0
     assert math.isfinite(metrics.samples_per_second) and metrics.samples_per_second >= 0

@@ -138,3 +138,17 @@ def test_help_lists_flags_with_units():
     assert result.returncode == 0
     assert "--target_batch_size" in result.stdout and "Samples the whole collaboration" in result.stdout
     assert "--matchmaking_time" in result.stdout and "Seconds" in result.stdout
+
+
+def test_monitor_flags_are_checked_and_named():
+    from arguments import MONITOR_ARGUMENTS, MonitorArguments
+
+    parsed = parse_args(MONITOR_ARGUMENTS, ["--alive_step_lag", "5"])
+    monitor = next(a for a in parsed if isinstance(a, MonitorArguments))
+    assert monitor.alive_step_lag == 5
+    for argv, flag in [
+        (["--alive_step_lag", "-1"], "--alive_step_lag"),
+        (["--upload_interval", "60", "--upload_to", "out"], "--upload_interval"),  # needs --store_checkpoints
+    ]:
+        with pytest.raises(ConfigError, match=flag):
+            parse_args(MONITOR_ARGUMENTS, argv)
