@@ -136,6 +136,7 @@ def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, rep
     """Median time of one ``monitor.run.refresh`` (read the metrics key, aggregate) from a new DHT node."""
     import hivemind
 
+    from arguments import MonitorArguments
     from monitor.run import MonitorState, refresh
 
     validators, _ = make_validators(prefix)
@@ -145,7 +146,7 @@ def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, rep
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            refresh(reader, prefix, MonitorState(), sinks=[], saver=None)
+            refresh(reader, prefix, MonitorState(), sinks=[], saver=None, step_lag=MonitorArguments.alive_step_lag)
             times.append(1000 * (time.perf_counter() - started))
         return median(times)
     finally:

@@ -69,6 +69,30 @@ def variants_section(training: dict) -> str:
     )
 
 
+def cpu_section(training: dict) -> str:
+    """Cores each kind of work used while the pairs ran: where the collaboration's missing throughput went."""
+    from bench.cpu import KINDS
+
+    plain = training.get("plain_cpu", [])
+    runs = [(f"plain loops ({when})", cpu) for when, cpu in zip(("before", "after")[: len(plain)], plain, strict=True)]
+    runs += [(f"2 peers, target_batch_size {run['target_batch_size']}", run.get("cpu")) for run in training["sweep"]]
+    runs += [("2 peers, seed anchor", training["anchor"].get("cpu"))]
+    runs += [(f"2 peers, {run['setting']}", run.get("cpu")) for run in training["variants"]]
+    rows = [[name, *(cpu[kind] for kind in KINDS), sum(cpu.values())] for name, cpu in runs if cpu]
+    if not rows:
+        return "Not measured in this run."
+    return "\n\n".join(
+        [
+            "CPU cores in use during each pair's steady window, summed over both processes and their children "
+            "(`bench/cpu.py` samples every thread's CPU time in `/proc` once a second). *training loop* is each "
+            "trainer's main thread (forward, backward, clipping, `hivemind.Optimizer.step`); *trainer's other "
+            "threads* hold the delayed Lamb step, the progress tracker and hivemind's event loop; *hivemind "
+            "processes* are the DHT and the gradient and state averagers; *p2pd* is libp2p's daemon.",
+            table(["run", *KINDS, "total"], rows),
+        ]
+    )
+
+
 def _rounds(run: dict) -> str:
     return "/".join(map(str, run["averaging_rounds"]))
 
@@ -195,6 +219,8 @@ def render(header: dict, figures: dict, summary: str) -> str:
         ]
     if figures.get("training", {}).get("variants"):
         parts += ["## Settings tried", variants_section(figures["training"])]
+    if "training" in figures:
+        parts += ["## Where the CPU went", cpu_section(figures["training"])]
     if "records" in figures:
         records = figures["records"]
         dht = records.get("dht_1000", {})

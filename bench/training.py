@@ -6,6 +6,7 @@ import re
 import time
 from pathlib import Path
 
+from bench.cpu import CpuSampler
 from bench.formulas import ratio, steady_window, total_samples_per_second
 from bench.procs import ONE_THREAD, Child, children, read_json, read_json_lines, wait_for
 
@@ -36,8 +37,8 @@ VARIANTS = {
 }
 
 
-def plain_pair(seconds: float, log_dir: Path, tag: str) -> float:
-    """Total samples/s of two plain PyTorch + Lamb loops, one thread each, side by side."""
+def plain_pair(seconds: float, log_dir: Path, tag: str) -> dict:
+    """Total samples/s of two plain PyTorch + Lamb loops, one thread each, side by side, and the cores they used."""
     outs = [log_dir / f"plain_{tag}_{i}.json" for i in range(2)]
     with children() as started:
         for i, out in enumerate(outs):
@@ -50,13 +51,21 @@ def plain_pair(seconds: float, log_dir: Path, tag: str) -> float:
                     env=ONE_THREAD,
                 )
             )
-        codes = [child.wait() for child in started]
+        sampler = CpuSampler([child.process.pid for child in started])
+        sampler.start()
+        try:
+            codes = [child.wait() for child in started]
+        finally:
+            sampler.stop()
     if any(codes):
         raise RuntimeError(f"plain loops exited with {codes}; see {log_dir}/plain_{tag}_*.log")
     results = [read_json(out) for out in outs]
     if any(r["threads"] != 1 for r in results):
         raise RuntimeError(f"OMP_NUM_THREADS=1 not honoured: {results}")
-    return sum(r["samples_per_second"] for r in results)
+    return {
+        "samples_per_second": sum(r["samples_per_second"] for r in results),
+        "cpu": sampler.cores_between(0.0, time.time()),
+    }
 
 
 def collab_pair(
@@ -100,28 +109,31 @@ def collab_pair(
         def records():
             return [[tuple(step) for step in read_json_lines(path)] for path in steps]
 
-        if max_steps:
-            codes = [child.wait() for child in started]
-            if any(codes):
-                raise RuntimeError(f"{name} peers exited with {codes}; see {log_dir}/{name}_*.log")
-        else:
-            wait_for(lambda: steady_window(records(), 1), timeout / 2, f"{name}: steady training", alive=started)
-            time.sleep(seconds)
-            for child in started:
-                child.terminate()
+        sampler = CpuSampler([child.process.pid for child in started])
+        sampler.start()
+        try:
+            if max_steps:
+                codes = [child.wait() for child in started]
+                if any(codes):
+                    raise RuntimeError(f"{name} peers exited with {codes}; see {log_dir}/{name}_*.log")
+            else:
+                wait_for(lambda: steady_window(records(), 1), timeout / 2, f"{name}: steady training", alive=started)
+                time.sleep(seconds)
+                sampler.sample()
+                for child in started:
+                    child.terminate()
+        finally:
+            sampler.stop()
     peers_steps = records()
+    window = steady_window(peers_steps, 1)
     rounds = [len(re.findall(r"Averaged gradients with (\d+) peers", child.log())) for child in started]
     return {
         "samples_per_second": total_samples_per_second(peers_steps, 1),
-        "window_s": _window_length(peers_steps),
+        "window_s": window and window[1] - window[0],
         "averaging_rounds": rounds,
+        "cpu": window and sampler.cores_between(*window),
         "models": outputs,
     }
-
-
-def _window_length(peers_steps) -> float | None:
-    window = steady_window(peers_steps, 1)
-    return window and window[1] - window[0]
 
 
 def held_out_loss(folder: Path) -> float:
@@ -180,7 +192,7 @@ def efficiency_and_parity(
         progress(name)
     plain.append(plain_pair(seconds, log_dir, "after"))
     progress("plain loops again")
-    plain_sps = sum(plain) / len(plain)
+    plain_sps = sum(run["samples_per_second"] for run in plain) / len(plain)
     sweep = {default_target: default}
     for target in targets:
         if target != default_target:
@@ -190,7 +202,8 @@ def efficiency_and_parity(
     reference = reference_loss(parity_steps, default_target, log_dir)
     progress("parity reference")
     return {
-        "plain_samples_per_second": plain,
+        "plain_samples_per_second": [run["samples_per_second"] for run in plain],
+        "plain_cpu": [run["cpu"] for run in plain],
         "default_target": default_target,
         "anchor": {**_public(anchor), "efficiency": ratio(anchor["samples_per_second"], plain_sps)},
         "variants": [
