@@ -67,7 +67,7 @@ class CpuSampler(threading.Thread):
         self.roots, self.period = list(roots), period
         self.latest: dict[tuple[int, int], tuple[str, float]] = {}
         self.history: list[tuple[float, dict[str, float]]] = []
-        self._stop = threading.Event()
+        self._stopped = threading.Event()
 
     def sample(self) -> None:
         for root in self.roots:
@@ -86,13 +86,15 @@ class CpuSampler(threading.Thread):
         self.history.append((time.time(), totals))
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stopped.is_set():
             self.sample()
-            self._stop.wait(self.period)
+            self._stopped.wait(self.period)
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop sampling, after one last sample."""
+        self._stopped.set()
         self.join()
+        self.sample()
 
     def cores_between(self, start: float, end: float) -> dict[str, float] | None:
         """Cores each kind of work used between the first sample at or after ``start`` and the last at or before

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from bench.cpu import HIVEMIND_PROCESSES, KINDS, P2PD, TRAINER_THREADS, TRAINING_LOOP, CpuSampler
+from trainer.local import wait_until
 
 # A stand-in for a trainer: its main thread burns 0.4 s of CPU, a forked child process (as hivemind's DHT and
 # averagers are) burns 0.3 s, then both wait until the test closes stdin.
@@ -40,8 +41,10 @@ def test_cpu_time_is_split_between_the_main_thread_and_child_processes():
     process = subprocess.Popen([sys.executable, "-c", TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert sorted(process.stdout.readline().strip() for _ in range(2)) == ["child done", "main done"]
-        sampler = CpuSampler([process.pid])
-        sampler.sample()
+        sampler = CpuSampler([process.pid], period=0.05)
+        sampler.start()  # samples in the background until stopped, then once more
+        wait_until(lambda: len(sampler.history) >= 2, timeout=30, what="two samples")
+        sampler.stop()
         _, totals = sampler.history[-1]
         assert totals[TRAINING_LOOP] >= 0.35  # 0.4 s burned, at the clock tick's resolution
         assert 0.25 <= totals[HIVEMIND_PROCESSES] < totals[TRAINING_LOOP]
