@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import gc
+import multiprocessing
 import time
 import weakref
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.utils import get_dht_time
 
 from collab import hivemind_fixes
@@ -150,3 +153,57 @@ def test_plain_hivemind_leaves_half_of_the_tensor_unaveraged_when_a_groupmate_is
 def test_patched_averager_waits_for_a_late_groupmate_and_averages_everything():
     first, second = average_with_a_late_groupmate()
     assert torch.equal(first, torch.ones_like(first)) and torch.equal(second, torch.ones_like(second))
+
+
+MATCHMAKING_SECONDS = 2.0
+
+
+def leader_lookups_in_one_round(update_queue) -> tuple[int, float]:
+    """Two averagers match and average once with ``update_queue`` as PotentialLeaders' lookup loop; returns the DHT
+    lookups of potential leaders both made (counted in their processes, which fork from this one) and the seconds
+    the round took."""
+    lookups = multiprocessing.Value("i", 0)
+    patched = GroupKeyManager.get_averagers, PotentialLeaders._update_queue_periodically
+    original_get_averagers = patched[0]
+
+    async def counted_get_averagers(self, *args, **kwargs):
+        with lookups.get_lock():
+            lookups.value += 1
+        return await original_get_averagers(self, *args, **kwargs)
+
+    GroupKeyManager.get_averagers, PotentialLeaders._update_queue_periodically = counted_get_averagers, update_queue
+    dht1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht2 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht1.get_visible_maddrs())
+    options = dict(prefix="lookups", target_group_size=256, min_matchmaking_time=MATCHMAKING_SECONDS, start=True)
+    averagers = []
+    try:
+        averagers = [DecentralizedAverager([torch.zeros(8)], dht=dht, **options) for dht in (dht1, dht2)]
+        started = time.monotonic()
+        when = get_dht_time() + MATCHMAKING_SECONDS  # as hivemind.Optimizer schedules its rounds ahead
+        steps = [averager.step(scheduled_time=when, wait=False) for averager in averagers]
+        groups = [step.result(timeout=60) for step in steps]
+        assert all(group is not None and len(group) == 2 for group in groups), f"no round: {groups}"
+        return lookups.value, time.monotonic() - started
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        dht2.shutdown()
+        dht1.shutdown()
+        GroupKeyManager.get_averagers, PotentialLeaders._update_queue_periodically = patched
+
+
+def spaced_bound(seconds: float) -> float:
+    """Most lookups two averagers can make in ``seconds`` when each spaces them by a tenth of the matchmaking time."""
+    return 2 * (seconds / (MATCHMAKING_SECONDS / hivemind_fixes.LEADER_LOOKUPS_PER_MATCHMAKING) + 1)
+
+
+@pytest.mark.timeout(180)
+def test_plain_hivemind_looks_up_leaders_back_to_back_while_matchmaking():
+    lookups, seconds = leader_lookups_in_one_round(hivemind_fixes._original_update_queue_periodically)
+    assert lookups > spaced_bound(seconds), f"{lookups} lookups in {seconds:.1f} s"
+
+
+@pytest.mark.timeout(180)
+def test_patched_matchmaking_spaces_its_lookups_and_still_forms_the_group():
+    lookups, seconds = leader_lookups_in_one_round(hivemind_fixes.update_queue_with_spaced_lookups)
+    assert lookups <= spaced_bound(seconds), f"{lookups} lookups in {seconds:.1f} s"
