@@ -26,6 +26,12 @@ then parameters): about 110 lookups per round between two CPU peers, each one cr
 p2pd, which took a fifth of a 2-core machine from the training loops. We space the lookups by a tenth of
 ``matchmaking_time``: at most about ten per round, and a new peer is still seen within a tenth of the window.
 
+Orphans left by a killed peer. hivemind runs the DHT (with its p2pd) and each averager in child processes that
+stop only when told to over a pipe. When the trainer is SIGKILLed (``kill -9``, the OOM killer) nobody tells them,
+and each child holds pipe ends inherited from the others, so none sees its parent's pipe close: the DHT, its p2pd and
+the averagers live on, still answering in the swarm. Each child now checks every second that the process that
+started it is alive, and otherwise ends itself (the DHT's p2pd first).
+
 8-bit gradients that cannot be read. ``Quantization.extract`` reads the codebook size with ``int()`` on a
 one-element array, which numpy 2 refuses (TypeError), so every 8-bit part a peer received broke its round. We read
 that one value by index.
@@ -41,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import signal
 import threading
 import time
@@ -156,6 +163,46 @@ async def update_queue_with_spaced_lookups(self, key_manager) -> None:
     await _original_update_queue_periodically(self, SpacedLookups(key_manager, period))
 
 
+PARENT_CHECK_PERIOD = 1.0  # seconds between two checks that a hivemind child's parent is still alive
+_original_dht_run = hivemind.dht.dht.DHT.run
+_original_averager_run = hivemind.averaging.averager.DecentralizedAverager.run
+
+
+def exit_when_parent_dies(parent_pid: int, before_exit=lambda: None) -> threading.Thread:
+    """A daemon thread that ends this process (after ``before_exit()``) once ``parent_pid`` is no longer its parent,
+    which is what a child sees when the process that forked it died."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_PERIOD)
+        with contextlib.suppress(Exception):
+            before_exit()
+        os._exit(0)
+
+    thread = threading.Thread(target=watch, name="exit-when-parent-dies", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stop_p2p_daemon(dht) -> None:
+    node = getattr(dht, "_node", None)
+    if node is not None:
+        node.p2p._terminate()  # SIGTERM to the p2pd this DHT process started, if it started one
+
+
+def dht_run_ending_with_parent(self) -> None:
+    """hivemind's ``DHT.run`` (the DHT's own process), ending with the process that started it."""
+    exit_when_parent_dies(self._parent_pid, lambda: _stop_p2p_daemon(self))
+    _original_dht_run(self)
+
+
+def averager_run_ending_with_parent(self) -> None:
+    """hivemind's ``DecentralizedAverager.run`` (the averager's own process), ending with the process that started
+    it."""
+    exit_when_parent_dies(self._parent_pid)
+    _original_averager_run(self)
+
+
 def quantization_extract(self, serialized_tensor) -> torch.Tensor:
     """hivemind's ``Quantization.extract`` with the codebook size read as ``array[0]`` (numpy 2 compatible)."""
     buffer = serialized_tensor.buffer
@@ -176,6 +223,8 @@ def apply() -> None:
     averager.rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
     hivemind.compression.quantization.Quantization.extract = quantization_extract
     hivemind.averaging.matchmaking.PotentialLeaders._update_queue_periodically = update_queue_with_spaced_lookups
+    hivemind.dht.dht.DHT.run = dht_run_ending_with_parent
+    averager.run = averager_run_ending_with_parent
 
 
 apply()

@@ -4,8 +4,14 @@ import asyncio
 import contextlib
 import gc
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 import weakref
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -16,9 +22,12 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.utils import get_dht_time
 
+from bench.cpu import process_tree
 from collab import hivemind_fixes
 from collab.hivemind_fixes import _original_switch_to_uvloop, switch_to_uvloop_keeping_tasks
 from trainer.local import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_task_waiting_on_weakly_held_future(make_loop) -> tuple[bool, str | None]:
@@ -207,3 +216,67 @@ def test_plain_hivemind_looks_up_leaders_back_to_back_while_matchmaking():
 def test_patched_matchmaking_spaces_its_lookups_and_still_forms_the_group():
     lookups, seconds = leader_lookups_in_one_round(hivemind_fixes.update_queue_with_spaced_lookups)
     assert lookups <= spaced_bound(seconds), f"{lookups} lookups in {seconds:.1f} s"
+
+
+# A stand-in for a trainer: a DHT (with its p2pd) and an averager in child processes, as hivemind.Optimizer starts
+# them; prints the children's pids, then waits to be killed.
+PEER_WITH_CHILDREN = textwrap.dedent(
+    """
+    import sys, time
+    if sys.argv[1] == "patched":
+        import collab  # applies collab.hivemind_fixes
+    import hivemind, torch
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = hivemind.DecentralizedAverager([torch.zeros(4)], dht=dht, prefix="orphans", target_group_size=2,
+                                              start=True)
+    print(dht.pid, averager.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie stays until the container's init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def children_of_a_killed_peer(variant: str) -> list[int]:
+    """SIGKILL a peer; returns the pids of its hivemind children (DHT, p2pd, averager), for the caller to check."""
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER_WITH_CHILDREN, variant], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        dht_pid, averager_pid = map(int, peer.stdout.readline().split())
+        children = [*process_tree(dht_pid), averager_pid]  # the DHT process, its p2pd, the averager
+        assert len(children) == 3 and all(map(running, children)), children
+    finally:
+        peer.kill()
+        peer.wait(timeout=30)
+    return children
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+def test_plain_hivemind_leaves_orphans_when_the_peer_is_killed():
+    children = children_of_a_killed_peer("plain")
+    try:
+        time.sleep(3 * hivemind_fixes.PARENT_CHECK_PERIOD + 2)  # what the patched children need to notice
+        assert all(map(running, children)), "plain hivemind's children ended with their parent"
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+def test_patched_children_end_with_their_killed_peer_p2pd_included():
+    children = children_of_a_killed_peer("patched")
+    try:
+        wait_until(lambda: not any(map(running, children)), timeout=30, what="the killed peer's children to end")
+    finally:
+        for pid in filter(running, children):
+            os.kill(pid, signal.SIGKILL)
