@@ -242,39 +242,51 @@ def render(header: dict, figures: dict, summary: str) -> str:
 
 
 NOTES = """\
-What the figures say, and what was tried (`make bench` of 2026-11-23 on a quiet machine, load average about 2.5 on
-2 cores; an earlier run under load 6-18 from other engineers' tests gave the same ratios within 0.05 where the
-settings were the same, but twice lower absolute samples/s):
+What the figures say, and what was tried (`make bench` of 2026-11-23, 2 CPU cores; earlier runs on the same day under
+other engineers' load gave ratios within 0.05 of the same settings, at lower absolute samples/s):
 
-- **collab_efficiency 0.76 at the default, anchor 0.77.** The default target_batch_size was 256 until this run's
-  predecessor measured 0.58 there: two CPU peers reach 256 samples in 3.5 s, and every global epoch costs a
-  gradient round and a parameter round, each with 3 s of matchmaking, which the delayed step cannot hide when the
-  epoch is that short. The sweep above, all against the same plain loops: 256: 0.57, 1024: 0.76, 2048: 0.89. The
-  default is now 1024 (an epoch of about 15 s here); on GPUs an epoch of the same samples is shorter, so real
-  collaborations should size target_batch_size for epochs of tens of seconds, as the seed's 4096 does.
-- **Settings tried at 1024** (each alone, same plain loops): average_state_every 4: 0.88; matchmaking_time 1 s:
-  0.89; no delayed step or gradient averaging: 0.77 (on loopback there is no network time to hide, so overlap buys
-  nothing here; on a real link it does). The two gains are the same gain: less background matchmaking and averaging
-  per epoch, which on this machine competes with the two training threads for the two cores. Neither became a
-  default: 1 s of matchmaking is too short for peers across the internet to find each other (the help text says
-  10-15 s online), and averaging parameters every epoch keeps peers in lockstep after faults and joins, which the
-  reliability tests check to 3e-5. Operators with many peers or slow links can raise average_state_every.
-- **What is left of the gap**: at 2048, or with less background averaging, 0.88-0.89. The rest is CPU: each peer
-  also runs a DHT process and an averager process (fp16 compression, protobuf, asyncio) on the same two cores that
-  the two training threads fill; the plain loops run nothing else. On a GPU peer that work runs on otherwise idle
-  CPU cores. py-spy was not available offline here; profiles were taken with cProfile and hivemind's log times.
-- **allreduce_vs_bound 1.44 and join_vs_bound 1.33** (50M parameters; 1.33 and 1.23 at 10M): raw TCP over the
-  shaped link reaches 88 Mbit/s in both directions at once (0.88 of the shaped rate, so 1.14 of the bound is the
-  link itself); the rest is hivemind's own cost (fp16 conversion, protobuf serialisation and asyncio in the averager
-  process, on two cores). For the 1M model, fixed costs (group setup, one request and response per part) dominate.
-  A 20 ms delay needs `sch_netem`, absent from this kernel.
-- **aggregate_ms_10k 36** (170 before): 98 % of `aggregate()`'s time was pydantic v1's `LocalMetrics.parse_obj`
-  (cProfile). `LocalMetrics` is now one pydantic v2 model, validated in compiled code, and hivemind's v1
-  `SchemaValidator` wraps that model instead of restating its rules. Reading 1,000 signed records from the DHT
-  takes 0.3 s: each record's RSA signature and schema are checked on arrival.
+- **collab_efficiency 0.85 at the default (target_batch_size 1024), anchor 0.87; 0.92 at 2048 and with
+  average_state_every 4.** The table "Where the CPU went" says where the rest goes: two peers' training loops get
+  1.78 of the 1.91-1.96 cores that two plain loops use; the DHT, averager and p2pd processes take 0.16; and each
+  collaborating loop needs about 8 % more CPU per sample than a plain one (1.78 cores for 97.2 samples/s against
+  1.94 for 113.8), of which the per-step NaN check of the parameters is about 1.4 % (py-spy); the rest is not yet
+  attributed (hivemind's per-step gradient accumulation, caches shared with the background processes).
+- **Fixed on the way: matchmaking polled the DHT back to back** (`collab/hivemind_fixes.py`). This table, new in
+  this run, first showed hivemind's processes and p2pd taking 0.41 of the 2 cores at the default (`python -m bench
+  --quick --only training`: 0.28 + 0.13), with the training loops at 1.54. py-spy put the time in the DHT process;
+  counting `GroupKeyManager.get_averagers` showed about 110 lookups per averaging round: `PotentialLeaders` asks
+  for a fresh leader list whenever it has none better than itself and gets one at once, for the whole
+  matchmaking_time, twice per epoch. Lookups are now spaced by a tenth of matchmaking_time (12 instead of 363-460
+  in one 2 s round of two averagers, same round time); background CPU went from 0.41 to 0.16-0.18 cores and the
+  training loops from 1.54 to 1.75-1.84.
+- **target_batch_size 256 is a regime to avoid, not a setting to tune**: an epoch there lasts about 3 s, as long as
+  matchmaking_time, so each round is matched while the previous one is still matching ("Another look_for_group is
+  already in progress" in the log); the peers' rounds fall out of step and each waits next_chunk_timeout for a
+  partner busy in another round. Six runs with spaced lookups (a tenth or a fortieth of matchmaking_time) gave
+  47-49 samples/s in five and 85 in one; hivemind's back-to-back lookups gave 65 in two runs only because they
+  burned 0.79 cores and so stretched the epoch to 3.9 s.
+  Size target_batch_size so that an epoch lasts several times matchmaking_time: 1024 (about 10 s here) and up.
+- **Settings tried at 1024** (each alone, same plain loops): average_state_every 4: 0.92; matchmaking_time 1 s:
+  0.88; 8-bit gradients: 0.90; no delayed step or gradient averaging: 0.85 (on loopback there is no network time to
+  hide; on a real link overlap is what keeps the loops busy). None became a default: 1 s of matchmaking is too short
+  for peers across the internet (10-15 s online), averaging parameters every epoch keeps peers in lockstep after
+  faults and joins (the reliability tests check it), and 8-bit gradients cost precision that fp16 keeps. Operators
+  with many peers or slow links can raise average_state_every.
+- **What is left of the gap at the default**: the 0.16 cores of hivemind's own work (matchmaking, DHT, fp16
+  compression and protobuf of each round), which a GPU peer runs on otherwise idle CPU cores, and the per-sample
+  cost above. Both shrink as epochs grow (0.92 at 2048).
+- **allreduce_vs_bound 1.20 and join_vs_bound 1.26** (50M parameters; 1.18 and 1.13 at 10M): raw TCP over the
+  shaped link reaches 92 Mbit/s in both directions at once (0.92 of the shaped rate, so about 1.09 of the bound is
+  the link itself); the rest is hivemind's own cost (fp16 conversion, protobuf and asyncio in the averager process).
+  For the 1M model, fixed costs (group setup, one request and response per part) dominate. 8-bit gradients make
+  the 50M round 0.61 of the fp16 bound, 1.95x faster. A 20 ms delay needs `sch_netem`, absent from this kernel.
+- **aggregate_ms_10k 28** (170 before pydantic v2, 36-62 in earlier runs of the same code on a busier machine): one
+  compiled pydantic v2 validation per record, plus the filter that drops peers more than `--alive_step_lag`
+  epochs behind. Reading 1,000 signed records from the DHT takes 0.15 s: each record's RSA signature and schema are
+  checked on arrival.
 - **parity_loss_ratio 1.018** after 8 global steps of 1024: the peers agree to 1e-5 and sit 1.8 % above one process
   with the same effective batch, inside the goal of 1.00 +/- 0.02. The likely cause is the delayed parameter
   update (each step applied one step late) during warm-up; not yet separated by a parity run with the delays off.
-- **Scaling**: rounds of the default model on loopback grow from 0.57 s (2 peers) to 2.4 s (8), all on two
-  cores; the bandwidth bound stays under 0.5 s to 256 peers, and aggregation stays under 1 ms per refresh.
+- **Scaling**: rounds of the default model on loopback grow from 0.26 s (2 peers) to 2.1 s (8), all on two cores;
+  the bandwidth bound stays under 0.5 s to 256 peers, and aggregation stays under 1 ms per refresh.
 """
