@@ -142,7 +142,10 @@ class OptimizerArguments:
     # averaging. Against two plain loops: 0.57 at 256 (3.5 s epochs), 0.76 at 1024, 0.89 at 2048 (BENCHMARKS.md).
     target_batch_size: int = field(
         default=1024,
-        metadata={"help": "Samples the whole collaboration accumulates per optimizer step (one global epoch)"},
+        metadata={
+            "help": "Samples the whole collaboration accumulates per optimizer step (one global epoch); size it so "
+            "that an epoch lasts several times matchmaking_time, or averaging rounds overlap (peers warn when not)"
+        },
     )
     batch_size_lead: int = field(
         default=0,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import statistics
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -43,6 +45,47 @@ def format_report(report: EpochReport, peers: int) -> str:
     return f"epoch {report.epoch} | loss {report.loss:.4f} | {report.samples_per_second:.1f} samples/s | {peers} peers"
 
 
+SHORT_EPOCH_FACTOR = 2.0  # epochs shorter than this many matchmaking_times make averaging rounds overlap
+SHORT_EPOCH_WINDOW = 3  # epochs whose median length is judged
+
+
+def short_epoch_warning(epoch_seconds: list[float], matchmaking_time: float) -> str | None:
+    """The operator's fix when the last epochs were too short for matchmaking, else None.
+
+    Each averaging round is matched ``matchmaking_time`` ahead of its epoch's end; when an epoch is not much longer,
+    the next round is matched while the previous one still runs, peers' rounds fall out of step and each waits for a
+    partner that is busy elsewhere (docs/BENCHMARKS.md: 0.4 of the plain loops' throughput instead of 0.85)."""
+    if len(epoch_seconds) < SHORT_EPOCH_WINDOW:
+        return None
+    typical = statistics.median(epoch_seconds[-SHORT_EPOCH_WINDOW:])
+    if typical >= SHORT_EPOCH_FACTOR * matchmaking_time:
+        return None
+    return (
+        f"Global epochs last {typical:.1f} s, less than {SHORT_EPOCH_FACTOR:g}x --matchmaking_time "
+        f"({matchmaking_time:g} s): averaging rounds overlap and fall out of step. Raise --target_batch_size "
+        "(or lower --matchmaking_time) so that an epoch lasts several times matchmaking_time"
+    )
+
+
+@dataclass
+class EpochTimer:
+    """Times global epochs as this peer sees them end, and warns once when they are too short for matchmaking."""
+
+    matchmaking_time: float
+    seconds: list[float] = field(default_factory=list)
+    last_end: float | None = None
+    warned: bool = False
+
+    def ended(self, now: float) -> None:
+        if self.last_end is not None:
+            self.seconds.append(now - self.last_end)
+        self.last_end = now
+        warning = None if self.warned else short_epoch_warning(self.seconds, self.matchmaking_time)
+        if warning is not None:
+            logger.warning(warning)
+            self.warned = True
+
+
 def amp_context(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.float16) if enabled else contextlib.nullcontext()
 
@@ -67,6 +110,7 @@ def train(
     accumulation = training_args.gradient_accumulation_steps
     summary = TrainingSummary(start_epoch=optimizer.local_epoch)
     model.train()
+    epochs = EpochTimer(optimizer.matchmaking_time)
     bar = tqdm(
         total=optimizer.target_batch_size, unit="samples", desc="global batch", disable=None, dynamic_ncols=True
     )
@@ -94,6 +138,7 @@ def train(
             report = callback.on_step_end(loss_value, optimizer.batch_size_per_step)
             progress = optimizer.tracker.global_progress
             if report is not None:
+                epochs.ended(time.monotonic())
                 summary.reports.append(report)
                 bar.reset(total=optimizer.target_batch_size)
                 logger.info(format_report(report, progress.num_peers))

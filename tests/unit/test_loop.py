@@ -1,0 +1,23 @@
+"""trainer.loop's pure helpers."""
+
+from trainer.loop import EpochTimer, short_epoch_warning
+
+
+def test_epochs_much_longer_than_matchmaking_get_no_warning():
+    assert short_epoch_warning([10.0, 11.0, 9.5], matchmaking_time=3.0) is None
+    assert short_epoch_warning([2.0, 2.0], matchmaking_time=3.0) is None  # too few epochs to judge
+
+
+def test_short_epochs_name_the_flags_to_change():
+    warning = short_epoch_warning([12.0, 3.1, 4.0, 3.5], matchmaking_time=3.0)  # the last three: median 3.5 s
+    assert warning is not None and "3.5 s" in warning
+    assert "--target_batch_size" in warning and "--matchmaking_time (3 s)" in warning
+    assert short_epoch_warning([3.0, 3.0, 6.0, 6.5, 7.0], matchmaking_time=3.0) is None  # recovered
+
+
+def test_the_timer_warns_once(caplog):
+    timer = EpochTimer(matchmaking_time=3.0)
+    for now in (0.0, 3.0, 6.0, 9.0, 12.0, 15.0):
+        timer.ended(now)
+    assert timer.seconds == [3.0] * 5
+    assert [r.getMessage() for r in caplog.records].count(short_epoch_warning([3.0] * 3, 3.0)) == 1
