@@ -21,7 +21,7 @@ P2PD = "p2pd"  # libp2p daemon (Go), one per DHT
 KINDS = (TRAINING_LOOP, TRAINER_THREADS, HIVEMIND_PROCESSES, P2PD)
 
 
-def _stat_fields(path: str) -> list[str] | None:
+def stat_fields(path: str) -> list[str] | None:
     """Fields of a /proc stat file after the command name (which may hold spaces): index 0 is field 3, the state."""
     try:
         return Path(path).read_text().rsplit(")", 1)[1].split()
@@ -31,7 +31,7 @@ def _stat_fields(path: str) -> list[str] | None:
 
 def thread_cpu_seconds(pid: int, tid: int) -> float | None:
     """User + system CPU seconds of one thread so far (fields 14 and 15 of its stat), None once it is gone."""
-    fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+    fields = stat_fields(f"/proc/{pid}/task/{tid}/stat")
     return None if fields is None else (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
@@ -39,7 +39,7 @@ def process_tree(root: int) -> list[int]:
     """``root`` and every live descendant."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat_fields(f"/proc/{entry}/stat")) is not None:
+        if entry.isdigit() and (fields := stat_fields(f"/proc/{entry}/stat")) is not None:
             children.setdefault(int(fields[1]), []).append(int(entry))
     tree, queue = [], [root]
     while queue:

@@ -22,7 +22,7 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.utils import get_dht_time
 
-from bench.cpu import process_tree
+from bench.cpu import process_tree, stat_fields
 from collab import hivemind_fixes
 from collab.hivemind_fixes import _original_switch_to_uvloop, switch_to_uvloop_keeping_tasks
 from trainer.local import wait_until
@@ -237,10 +237,8 @@ PEER_WITH_CHILDREN = textwrap.dedent(
 
 def running(pid: int) -> bool:
     """Alive and not a zombie (an orphan's zombie stays until the container's init reaps it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return fields is not None and fields[0] != "Z"
 
 
 def children_of_a_killed_peer(variant: str) -> list[int]:
