@@ -245,7 +245,7 @@ class AveragerArguments:
 
 @dataclass
 class ProgressTrackerArguments:
-    """How often a peer reads the collaboration's progress from the DHT."""
+    """How often a peer reads the collaboration's progress from the DHT, and publishes its own."""
 
     min_refresh_period: float = field(default=0.5, metadata={"help": "Shortest wait between progress reads (s)"})
     max_refresh_period: float = field(default=10.0, metadata={"help": "Longest wait between progress reads (s)"})
@@ -261,10 +261,17 @@ class ProgressTrackerArguments:
     metadata_expiration: float = field(
         default=60.0, metadata={"help": "Lifetime of this peer's progress record in the DHT (s)"}
     )
+    progress_report_period: float = field(
+        default=2.0,
+        metadata={
+            "help": "Shortest wait between two publications of this peer's progress within a global epoch (s); "
+            "readers extrapolate in between and a new epoch is published at once (hivemind publishes every step)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require_positive(self, "min_refresh_period", "max_refresh_period", "default_refresh_period")
-        _require_positive(self, "metadata_expiration")
+        _require_positive(self, "metadata_expiration", "progress_report_period")
         _require_non_negative(self, "expected_drift_peers", "expected_drift_rate")
         if self.min_refresh_period > self.max_refresh_period:
             _fail("min_refresh_period", f"must not exceed --max_refresh_period ({self.max_refresh_period})")

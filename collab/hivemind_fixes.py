@@ -26,6 +26,14 @@ then parameters): about 110 lookups per round between two CPU peers, each one cr
 p2pd, which took a fifth of a 2-core machine from the training loops. We space the lookups by a tenth of
 ``matchmaking_time``: at most about ten per round, and a new peer is still seen within a tenth of the window.
 
+Progress published to the DHT after every step. ``ProgressTracker.report_local_progress`` wakes the tracker's
+reporter on every ``hivemind.Optimizer.step`` and the reporter stores a signed record each time: three or more DHT
+stores a second per CPU peer (ten or more for a fast GPU), each one signed, sent through p2pd and validated by every
+DHT node that keeps it. Other peers read progress every ``min_refresh_period`` or more and extrapolate each record
+with its samples/s, so most of those stores are never read. We publish at most once per ``progress_report_period``
+(2 s) within a global epoch, and a new epoch at once. Two CPU peers' DHT processes and p2pd went from 0.16 to 0.11 of
+the 2 cores (docs/BENCHMARKS.md).
+
 Orphans left by a killed peer. hivemind runs the DHT (with its p2pd) and each averager in child processes that
 stop only when told to over a pipe. When the trainer is SIGKILLed (``kill -9``, the OOM killer) nobody tells them,
 and each child holds pipe ends inherited from the others, so none sees its parent's pipe close: the DHT, its p2pd and
@@ -57,11 +65,13 @@ import hivemind.averaging.averager
 import hivemind.averaging.matchmaking
 import hivemind.compression.quantization
 import hivemind.dht.dht
+import hivemind.optim.progress_tracker
 import numpy as np
 import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import asyncio as hivemind_asyncio
+from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 _running_tasks: set[asyncio.Task] = set()
@@ -163,6 +173,76 @@ async def update_queue_with_spaced_lookups(self, key_manager) -> None:
     await _original_update_queue_periodically(self, SpacedLookups(key_manager, period))
 
 
+PROGRESS_REPORT_PERIOD = 2.0  # seconds; ProgressTrackerArguments.progress_report_period passes another
+ProgressTracker = hivemind.optim.progress_tracker.ProgressTracker
+_original_tracker_init = ProgressTracker.__init__
+_original_report_local_progress = ProgressTracker.report_local_progress
+_original_tracker_shutdown = ProgressTracker.shutdown
+_original_progress_reporter = ProgressTracker._progress_reporter
+
+
+def tracker_init_with_report_period(self, *args, progress_report_period: float = PROGRESS_REPORT_PERIOD, **kwargs):
+    """hivemind's ``ProgressTracker.__init__``, taking ``progress_report_period`` (before its thread starts)."""
+    self.progress_report_period, self.report_new_epoch = progress_report_period, threading.Event()
+    _original_tracker_init(self, *args, **kwargs)
+
+
+def report_local_progress_waking_on_new_epoch(self, local_epoch: int, samples_accumulated: int, *args, **kwargs):
+    """hivemind's ``report_local_progress``; a new local epoch also ends the reporter's wait."""
+    new_epoch = local_epoch != self.local_progress.epoch
+    _original_report_local_progress(self, local_epoch, samples_accumulated, *args, **kwargs)
+    if new_epoch:
+        self.report_new_epoch.set()
+
+
+def tracker_shutdown_waking_reporter(self, timeout: float | None = None):
+    self.report_new_epoch.set()
+    _original_tracker_shutdown(self, timeout)
+
+
+async def progress_reporter_spaced(self) -> None:
+    """hivemind's ``ProgressTracker._progress_reporter``, publishing at most once per ``progress_report_period``
+    within a global epoch (a new epoch at once), instead of after every step."""
+    loop = asyncio.get_event_loop()
+    last_report_time = last_report_epoch = last_store_time = -math.inf
+    last_published_epoch = store_task = None
+    try:
+        while not self.shutdown_triggered.is_set():
+            wait_timeout = max(0.0, last_report_time - get_dht_time() + self.metadata_expiration / 2)
+            await loop.run_in_executor(None, self.should_report_progress.wait, wait_timeout)
+            pause = last_store_time + self.progress_report_period - get_dht_time()
+            same_epoch = self.local_progress.epoch == last_published_epoch
+            if self.should_report_progress.is_set() and same_epoch and pause > 0:
+                await loop.run_in_executor(None, self.report_new_epoch.wait, pause)
+            self.report_new_epoch.clear()
+            self.should_report_progress.clear()
+
+            local_progress = self.local_progress
+            last_report_time = get_dht_time()
+            if local_progress.samples_accumulated > 0:
+                last_report_epoch = self.global_epoch
+            if last_report_epoch >= self.global_epoch - 1:  # as hivemind: only peers that are in sync and active
+                last_store_time, last_published_epoch = last_report_time, local_progress.epoch
+                store_task = asyncio.create_task(
+                    asyncio.wait_for(
+                        self.dht.store(
+                            key=self.training_progress_key,
+                            subkey=self._local_public_key,
+                            value=local_progress.dict(),
+                            expiration_time=last_report_time + self.metadata_expiration,
+                            return_future=True,
+                        ),
+                        timeout=self.metadata_expiration,
+                    )
+                )
+    finally:
+        hivemind.optim.progress_tracker.logger.log(
+            self.status_loglevel, f"No longer reporting progress for {self.prefix}"
+        )
+        if store_task is not None:
+            store_task.cancel()
+
+
 PARENT_CHECK_PERIOD = 1.0  # seconds between two checks that a hivemind child's parent is still alive
 _original_dht_run = hivemind.dht.dht.DHT.run
 _original_averager_run = hivemind.averaging.averager.DecentralizedAverager.run
@@ -223,6 +303,10 @@ def apply() -> None:
     averager.rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
     hivemind.compression.quantization.Quantization.extract = quantization_extract
     hivemind.averaging.matchmaking.PotentialLeaders._update_queue_periodically = update_queue_with_spaced_lookups
+    ProgressTracker.__init__ = tracker_init_with_report_period
+    ProgressTracker.report_local_progress = report_local_progress_waking_on_new_epoch
+    ProgressTracker.shutdown = tracker_shutdown_waking_reporter
+    ProgressTracker._progress_reporter = progress_reporter_spaced
     hivemind.dht.dht.DHT.run = dht_run_ending_with_parent
     averager.run = averager_run_ending_with_parent
 

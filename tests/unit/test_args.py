@@ -80,6 +80,7 @@ def test_config_round_trips_through_to_config(tmp_path):
         (["--no_offload_optimizer"], "--delay_optimizer_step"),
         (["--experiment_prefix", "bad prefix!"], "--experiment_prefix"),
         (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
+        (["--progress_report_period", "0"], "--progress_report_period"),
         (["--targt_batch_size", "5"], "--targt_batch_size"),
     ],
 )

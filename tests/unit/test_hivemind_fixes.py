@@ -20,6 +20,7 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
 
 from bench.cpu import process_tree, stat_fields
@@ -216,6 +217,82 @@ def test_plain_hivemind_looks_up_leaders_back_to_back_while_matchmaking():
 def test_patched_matchmaking_spaces_its_lookups_and_still_forms_the_group():
     lookups, seconds = leader_lookups_in_one_round(hivemind_fixes.update_queue_with_spaced_lookups)
     assert lookups <= spaced_bound(seconds), f"{lookups} lookups in {seconds:.1f} s"
+
+
+STEPS, STEP_SECONDS = 40, 0.05  # a fast peer's optimizer steps, 2 s of them
+LONG_REPORT_PERIOD = 30.0  # longer than the test: a record published within it was not held back by the period
+
+
+@contextlib.contextmanager
+def progress_tracker_methods(patched: bool):
+    """ProgressTracker as collab.hivemind_fixes leaves it (patched) or as hivemind ships it."""
+    names = ["__init__", "report_local_progress", "shutdown", "_progress_reporter"]
+    current = {name: getattr(ProgressTracker, name) for name in names}
+    if not patched:
+        ProgressTracker.__init__ = hivemind_fixes._original_tracker_init
+        ProgressTracker.report_local_progress = hivemind_fixes._original_report_local_progress
+        ProgressTracker.shutdown = hivemind_fixes._original_tracker_shutdown
+        ProgressTracker._progress_reporter = hivemind_fixes._original_progress_reporter
+    try:
+        yield
+    finally:
+        for name, method in current.items():
+            setattr(ProgressTracker, name, method)
+
+
+def progress_publications(patched: bool) -> tuple[int, float | None, float]:
+    """A new tracker reports STEPS steps, then a new epoch. Returns the DHT stores made during the steps, the seconds
+    until the new epoch could be read from the DHT (None if never within 10 s), and the seconds its shutdown took."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    stores = []
+    real_store = dht.store
+
+    def counted_store(*args, **kwargs):
+        stores.append(time.monotonic())
+        return real_store(*args, **kwargs)
+
+    dht.store = counted_store
+    options = {"progress_report_period": LONG_REPORT_PERIOD} if patched else {}
+    try:
+        with progress_tracker_methods(patched):
+            tracker = ProgressTracker(dht, "reports", target_batch_size=10**6, start=True, **options)
+            try:
+                for step in range(1, STEPS + 1):
+                    tracker.report_local_progress(0, samples_accumulated=16 * step)
+                    time.sleep(STEP_SECONDS)  # the step's compute
+                during_steps = len(stores)
+
+                with tracker.pause_updates():
+                    tracker.update_epoch(1)
+                started = time.monotonic()
+                new_epoch_seen = None
+                while new_epoch_seen is None and time.monotonic() - started < 10:
+                    record = dht.get(tracker.training_progress_key, latest=True)
+                    mine = record and record.value.get(tracker._local_public_key)
+                    if mine and mine.value["epoch"] == 1:
+                        new_epoch_seen = time.monotonic() - started
+                started = time.monotonic()
+                tracker.shutdown(timeout=10)
+                return during_steps, new_epoch_seen, time.monotonic() - started
+            finally:
+                tracker.shutdown(timeout=10)
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_plain_hivemind_publishes_progress_after_every_step():
+    during_steps, new_epoch_seen, _ = progress_publications(patched=False)
+    assert during_steps > STEPS / 4, f"{during_steps} stores for {STEPS} steps"
+    assert new_epoch_seen is not None
+
+
+@pytest.mark.timeout(120)
+def test_patched_tracker_publishes_once_per_period_but_a_new_epoch_at_once():
+    during_steps, new_epoch_seen, shutdown_seconds = progress_publications(patched=True)
+    assert during_steps == 1, f"{during_steps} stores for {STEPS} steps within one {LONG_REPORT_PERIOD:g} s period"
+    assert new_epoch_seen is not None, f"the new epoch was held back by the {LONG_REPORT_PERIOD:g} s period"
+    assert shutdown_seconds < LONG_REPORT_PERIOD / 3, f"shutdown waited out the period ({shutdown_seconds:.1f} s)"
 
 
 # A stand-in for a trainer: a DHT (with its p2pd) and an averager in child processes, as hivemind.Optimizer starts
