@@ -71,7 +71,7 @@ def lamb_factory(training_args: TrainingArguments) -> Callable:
     """``params -> Lamb``: hivemind builds the optimizer itself (needed for offloading)."""
 
     def make_lamb(params):
-        return Lamb(
+        lamb = Lamb(
             params,
             lr=training_args.learning_rate,
             betas=(training_args.adam_beta1, training_args.adam_beta2),
@@ -80,8 +80,29 @@ def lamb_factory(training_args: TrainingArguments) -> Callable:
             clamp_value=training_args.clamp_value,
             debias=True,
         )
+        create_lamb_state(lamb)
+        return lamb
 
     return make_lamb
+
+
+@torch.no_grad()
+def create_lamb_state(lamb: Lamb) -> None:
+    """Lamb's state as its first step would create it (step 0, zero moments), made up front.
+
+    hivemind's TrainingStateAverager needs optimizer state tensors from the start. Finding none, it creates them with
+    one optimizer step on zero gradients, which for Lamb is not a no-op: the weight-decay term alone is scaled by the
+    trust ratio to the weights' norm, so every decayed weight shrinks by the step size (6.3 % at the default learning
+    rate), and the step is counted, shifting the bias correction of every later step. That cost 1.8 % of held-out
+    loss after 8 global steps (docs/BENCHMARKS.md, parity). With the state made here hivemind skips that step.
+    """
+    for group in lamb.param_groups:
+        for param in group["params"]:
+            lamb.state[param] = {
+                "step": 0,
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
 
 
 def scheduler_factory(training_args: TrainingArguments) -> Callable:

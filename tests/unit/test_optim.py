@@ -1,12 +1,22 @@
 """The optimizer definition: parameter groups, schedule, local batch size."""
 
+import hivemind
 import pytest
 import torch
+from hivemind.optim.state_averager import initialize_optimizer_state_
+from torch_optimizer import Lamb
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
-from arguments import TrainingArguments
+from arguments import (
+    AveragerArguments,
+    OptimizerArguments,
+    PeerArguments,
+    ProgressTrackerArguments,
+    TrainingArguments,
+)
 from collab.optim import (
     EIGHT_BIT_MIN_VALUES,
+    build_optimizer,
     gradient_compression,
     lamb_factory,
     local_batch_size,
@@ -87,3 +97,69 @@ def test_8bit_gradients_take_one_byte_a_value_for_large_tensors_only():
     assert fp16_bytes >= 2 * large.numel() and eight_bit_bytes < 0.6 * fp16_bytes
     assert fp16_error < 1e-3 and eight_bit_error < 0.05  # about 1/256 of the ±6 sigma range per value
     assert wire_bytes_and_error("8bit", small)[0] == wire_bytes_and_error("fp16", small)[0]
+
+
+def test_plain_hivemind_initialization_shrinks_the_decayed_weights():
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    args = TrainingArguments()
+    lamb = Lamb(parameter_groups(model, args.weight_decay), lr=args.learning_rate, weight_decay=args.weight_decay)
+    weight = model.bert.encoder.layer[0].attention.self.query.weight
+    before = weight.detach().clone()
+    initialize_optimizer_state_(lamb)  # what TrainingStateAverager does to an optimizer without state tensors
+    assert torch.linalg.norm(weight) < 0.97 * torch.linalg.norm(before)
+
+
+def test_our_lamb_starts_with_fresh_state_and_steps_as_a_fresh_lamb():
+    torch.manual_seed(0)
+    models = [AutoModelForMaskedLM.from_config(tiny_bert_config(100)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    args = TrainingArguments()
+    ours = lamb_factory(args)(parameter_groups(models[0], args.weight_decay))
+    fresh = Lamb(
+        parameter_groups(models[1], args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        clamp_value=args.clamp_value,
+        debias=True,
+    )
+    assert all(state["step"] == 0 and not state["exp_avg"].any() for state in ours.state.values())
+    assert len(ours.state) == sum(1 for _ in models[0].parameters())
+    for _ in range(2):
+        for model in models:
+            for param in model.parameters():
+                param.grad = torch.full_like(param, 0.01) + 0.001 * torch.arange(param.numel()).view_as(param)
+        ours.step()
+        fresh.step()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.timeout(120)
+def test_hivemind_optimizer_starts_lamb_from_the_initial_weights():
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = build_optimizer(
+            model,
+            dht,
+            PeerArguments(experiment_prefix="fresh_state"),
+            OptimizerArguments(),
+            AveragerArguments(),
+            ProgressTrackerArguments(),
+            TrainingArguments(),
+        )
+        try:
+            # the copies Lamb steps (offloaded), which hivemind writes back into the model after each global step
+            names = {id(param): name for name, param in model.named_parameters()}
+            model_order = [names[id(p)] for group in parameter_groups(model, 0.01) for p in group["params"]]
+            stepped = [param for group in optimizer.opt.param_groups for param in group["params"]]
+            for name, param in zip(model_order, stepped, strict=True):
+                assert torch.equal(param, before[name]), name
+            assert all(state["step"] == 0 for state in optimizer.opt.state.values())
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
