@@ -242,51 +242,56 @@ def render(header: dict, figures: dict, summary: str) -> str:
 
 
 NOTES = """\
-What the figures say, and what was tried (`make bench` of 2026-11-23, 2 CPU cores; earlier runs on the same day under
-other engineers' load gave ratios within 0.05 of the same settings, at lower absolute samples/s):
+What the figures say, and what was tried (`make bench` of 2026-11-23, 2 CPU cores, shared with other work: the two
+plain-loop pairs of this run gave 98.1 and 109.3 samples/s, so any throughput ratio here carries about +/-0.05):
 
-- **collab_efficiency 0.85 at the default (target_batch_size 1024), anchor 0.87; 0.92 at 2048 and with
-  average_state_every 4.** The table "Where the CPU went" says where the rest goes: two peers' training loops get
-  1.78 of the 1.91-1.96 cores that two plain loops use; the DHT, averager and p2pd processes take 0.16; and each
-  collaborating loop needs about 8 % more CPU per sample than a plain one (1.78 cores for 97.2 samples/s against
-  1.94 for 113.8), of which the per-step NaN check of the parameters is about 1.4 % (py-spy); the rest is not yet
-  attributed (hivemind's per-step gradient accumulation, caches shared with the background processes).
-- **Fixed on the way: matchmaking polled the DHT back to back** (`collab/hivemind_fixes.py`). This table, new in
-  this run, first showed hivemind's processes and p2pd taking 0.41 of the 2 cores at the default (`python -m bench
-  --quick --only training`: 0.28 + 0.13), with the training loops at 1.54. py-spy put the time in the DHT process;
-  counting `GroupKeyManager.get_averagers` showed about 110 lookups per averaging round: `PotentialLeaders` asks
-  for a fresh leader list whenever it has none better than itself and gets one at once, for the whole
-  matchmaking_time, twice per epoch. Lookups are now spaced by a tenth of matchmaking_time (12 instead of 363-460
-  in one 2 s round of two averagers, same round time); background CPU went from 0.41 to 0.16-0.18 cores and the
+- **collab_efficiency 0.89 at the default (target_batch_size 1024), anchor 0.88; 0.93 at 2048 and with
+  average_state_every 2.** The CPU table says where the rest goes. Per core the collaborating loop now trains
+  as fast as a plain one (51.2 against 52.8 samples/s per core, 0.97; it was 0.93 before this run's fixes), so the
+  gap is the cores: the two training loops get 1.81 of the 1.97 cores, and the DHT, averagers and p2pd take 0.15. On
+  these 2 cores 0.95 needs that background work below about 0.06 cores; average_state_every 4 brings it to 0.09. A
+  GPU peer runs it on CPU cores that sit idle anyway.
+- **Fixed in this run: every peer published its progress after every step.** hivemind's `ProgressTracker` stores a
+  signed record in the DHT on each `hivemind.Optimizer.step` (40 stores for 40 steps in
+  `tests/unit/test_hivemind_fixes.py`), each one through both peers' DHT processes and p2pd, while readers refresh
+  every 0.5 s or more and extrapolate. Peers now publish at most once per `--progress_report_period` (2 s) within an
+  epoch and a new epoch at once (1 store for those 40 steps). In an A/B of 40 s windows (defaults, two alternations)
+  the background went from 0.18-0.21 to 0.12-0.16 cores and the training loops from 1.76-1.79 to 1.80-1.86.
+  Also: the per-step NaN guard on the parameters sums each tensor once and syncs once (0.24 instead of 2.4 ms a
+  step on CPU; one GPU sync instead of one per tensor).
+- **Fixed in this run: parity.** parity_loss_ratio was 1.018-1.019 in every run, this one included (the table above
+  was measured before the fix). The one-process reference is stable across data seeds (7.058-7.061), and turning
+  the delayed step and averaging off only moved the peers from 7.190 to 7.182. The cause was hivemind's optimizer
+  initialization: `TrainingStateAverager` runs one Lamb step on zero gradients to create the state tensors, and for
+  Lamb that step shrinks every decayed weight by its step size (6.3 % at the default learning rate: the trust
+  ratio scales the weight-decay term up to the weight norm) and counts a step in the bias correction. The reference
+  with that same step added reached 7.187, the peers' loss. Lamb's state is now created up front
+  (`collab/optim.py create_lamb_state`, tests in `tests/unit/test_optim.py`) and hivemind skips its step: peers
+  7.0643, reference 7.0609, **ratio 1.0005** (two peers to 8 global steps of 1024 and `bench.plain reference`, as
+  in `make bench`; `python -m bench --only training` repeats it with the efficiency part).
+- **Fixed earlier: matchmaking polled the DHT back to back** (`collab/hivemind_fixes.py`): about 110 leader lookups
+  per averaging round, twice per epoch, now at most ten. Background CPU went from 0.41 to 0.16-0.18 cores and the
   training loops from 1.54 to 1.75-1.84.
 - **target_batch_size 256 is a regime to avoid, not a setting to tune**: an epoch there lasts about 3 s, as long as
-  matchmaking_time, so each round is matched while the previous one is still matching ("Another look_for_group is
-  already in progress" in the log); the peers' rounds fall out of step and each waits next_chunk_timeout for a
-  partner busy in another round. Six runs with spaced lookups (a tenth or a fortieth of matchmaking_time) gave
-  47-49 samples/s in five and 85 in one; hivemind's back-to-back lookups gave 65 in two runs only because they
-  burned 0.79 cores and so stretched the epoch to 3.9 s.
-  Size target_batch_size so that an epoch lasts several times matchmaking_time: 1024 (about 10 s here) and up.
-- **Settings tried at 1024** (each alone, same plain loops): average_state_every 4: 0.92; matchmaking_time 1 s:
-  0.88; 8-bit gradients: 0.90; no delayed step or gradient averaging: 0.85 (on loopback there is no network time to
-  hide; on a real link overlap is what keeps the loops busy). None became a default: 1 s of matchmaking is too short
-  for peers across the internet (10-15 s online), averaging parameters every epoch keeps peers in lockstep after
-  faults and joins (the reliability tests check it), and 8-bit gradients cost precision that fp16 keeps. Operators
-  with many peers or slow links can raise average_state_every.
-- **What is left of the gap at the default**: the 0.16 cores of hivemind's own work (matchmaking, DHT, fp16
-  compression and protobuf of each round), which a GPU peer runs on otherwise idle CPU cores, and the per-sample
-  cost above. Both shrink as epochs grow (0.92 at 2048).
-- **allreduce_vs_bound 1.20 and join_vs_bound 1.26** (50M parameters; 1.18 and 1.13 at 10M): raw TCP over the
+  matchmaking_time, so each round is matched while the previous one is still matching; the peers' rounds fall out
+  of step and each waits next_chunk_timeout for a partner busy in another round (0.41-0.47 in every run). Peers
+  warn when their epochs last less than twice matchmaking_time. Size target_batch_size so that an epoch lasts
+  several times matchmaking_time: 1024 (about 10 s here) and up.
+- **Settings tried at 1024** (each alone, same plain loops): average_state_every 2: 0.93 and 4: 0.88 (in 40 s A/B
+  windows 4 took 0.03-0.04 fewer background cores than 1, and 2 nearly as many fewer); matchmaking_time 1 s: 0.85;
+  no delayed step or gradient averaging: 0.89; 8-bit gradients: 0.99 (0.90 in the previous run: within the noise of
+  this machine). None became a default: 1 s of matchmaking is too short across the internet (10-15 s online),
+  averaging parameters every epoch is what repairs a peer that missed a round or rolled back within one epoch (the
+  reliability tests check peers agree), and 8-bit gradients cost precision that fp16 keeps. Operators with many
+  peers or slow links can raise average_state_every; each state round moves as many bytes as a gradient round.
+- **allreduce_vs_bound 1.24 and join_vs_bound 1.28** (50M parameters; 1.24 and 1.17 at 10M): raw TCP over the
   shaped link reaches 92 Mbit/s in both directions at once (0.92 of the shaped rate, so about 1.09 of the bound is
   the link itself); the rest is hivemind's own cost (fp16 conversion, protobuf and asyncio in the averager process).
   For the 1M model, fixed costs (group setup, one request and response per part) dominate. 8-bit gradients make
-  the 50M round 0.61 of the fp16 bound, 1.95x faster. A 20 ms delay needs `sch_netem`, absent from this kernel.
-- **aggregate_ms_10k 28** (170 before pydantic v2, 36-62 in earlier runs of the same code on a busier machine): one
-  compiled pydantic v2 validation per record, plus the filter that drops peers more than `--alive_step_lag`
-  epochs behind. Reading 1,000 signed records from the DHT takes 0.15 s: each record's RSA signature and schema are
-  checked on arrival.
-- **parity_loss_ratio 1.018** after 8 global steps of 1024: the peers agree to 1e-5 and sit 1.8 % above one process
-  with the same effective batch, inside the goal of 1.00 +/- 0.02. The likely cause is the delayed parameter
-  update (each step applied one step late) during warm-up; not yet separated by a parity run with the delays off.
-- **Scaling**: rounds of the default model on loopback grow from 0.26 s (2 peers) to 2.1 s (8), all on two cores;
+  the 50M round 0.62 of the fp16 bound, 2.0x faster. A 20 ms delay needs `sch_netem`, absent from this kernel.
+- **aggregate_ms_10k 29**: one compiled pydantic v2 validation per record, plus the filter that drops peers more
+  than `--alive_step_lag` epochs behind. Reading 1,000 signed records from the DHT takes about 0.15 s: each
+  record's RSA signature and schema are checked on arrival.
+- **Scaling**: rounds of the default model on loopback grow from 0.29 s (2 peers) to 2.0 s (8), all on two cores;
   the bandwidth bound stays under 0.5 s to 256 peers, and aggregation stays under 1 ms per refresh.
 """
