@@ -115,15 +115,8 @@ def test_our_lamb_starts_with_fresh_state_and_steps_as_a_fresh_lamb():
     models[1].load_state_dict(models[0].state_dict())
     args = TrainingArguments()
     ours = lamb_factory(args)(parameter_groups(models[0], args.weight_decay))
-    fresh = Lamb(
-        parameter_groups(models[1], args.weight_decay),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        weight_decay=args.weight_decay,
-        clamp_value=args.clamp_value,
-        debias=True,
-    )
+    fresh = lamb_factory(args)(parameter_groups(models[1], args.weight_decay))
+    fresh.state.clear()  # as torch_optimizer's Lamb starts: it creates its state on the first step
     assert all(state["step"] == 0 and not state["exp_avg"].any() for state in ours.state.values())
     assert len(ours.state) == sum(1 for _ in models[0].parameters())
     for _ in range(2):
