@@ -31,8 +31,8 @@ reporter on every ``hivemind.Optimizer.step`` and the reporter stores a signed r
 stores a second per CPU peer (ten or more for a fast GPU), each one signed, sent through p2pd and validated by every
 DHT node that keeps it. Other peers read progress every ``min_refresh_period`` or more and extrapolate each record
 with its samples/s, so most of those stores are never read. We publish at most once per ``progress_report_period``
-(2 s) within a global epoch, and a new epoch at once. Two CPU peers' DHT processes and p2pd went from 0.16 to 0.11 of
-the 2 cores (docs/BENCHMARKS.md).
+(2 s) within a global epoch, and a new epoch at once. Two CPU peers' DHT processes and p2pd went from 0.18-0.21 to
+0.12-0.16 of the 2 cores (docs/BENCHMARKS.md).
 
 Orphans left by a killed peer. hivemind runs the DHT (with its p2pd) and each averager in child processes that
 stop only when told to over a pipe. When the trainer is SIGKILLed (``kill -9``, the OOM killer) nobody tells them,
@@ -73,6 +73,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import asyncio as hivemind_asyncio
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter
+
+from arguments import ProgressTrackerArguments
 
 _running_tasks: set[asyncio.Task] = set()
 _original_switch_to_uvloop = hivemind_asyncio.switch_to_uvloop
@@ -173,7 +175,7 @@ async def update_queue_with_spaced_lookups(self, key_manager) -> None:
     await _original_update_queue_periodically(self, SpacedLookups(key_manager, period))
 
 
-PROGRESS_REPORT_PERIOD = 2.0  # seconds; ProgressTrackerArguments.progress_report_period passes another
+PROGRESS_REPORT_PERIOD = ProgressTrackerArguments.progress_report_period  # seconds, when a caller passes none
 ProgressTracker = hivemind.optim.progress_tracker.ProgressTracker
 _original_tracker_init = ProgressTracker.__init__
 _original_report_local_progress = ProgressTracker.report_local_progress
