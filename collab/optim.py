@@ -95,6 +95,9 @@ def create_lamb_state(lamb: Lamb) -> None:
     trust ratio to the weights' norm, so every decayed weight shrinks by the step size (6.3 % at the default learning
     rate), and the step is counted, shifting the bias correction of every later step. That cost 1.8 % of held-out
     loss after 8 global steps (docs/BENCHMARKS.md, parity). With the state made here hivemind skips that step.
+
+    The state holds every key a step leaves (the last three are outputs Lamb never reads): hivemind packs the state a
+    newcomer downloads into the newcomer's own state's structure, so both must have the same keys.
     """
     for group in lamb.param_groups:
         for param in group["params"]:
@@ -102,6 +105,9 @@ def create_lamb_state(lamb: Lamb) -> None:
                 "step": 0,
                 "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "weight_norm": torch.tensor(0.0),
+                "adam_norm": torch.tensor(0.0),
+                "trust_ratio": torch.tensor(1.0),
             }
 
 

@@ -3,7 +3,7 @@
 import hivemind
 import pytest
 import torch
-from hivemind.optim.state_averager import initialize_optimizer_state_
+from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 from torch_optimizer import Lamb
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
@@ -156,3 +156,20 @@ def test_hivemind_optimizer_starts_lamb_from_the_initial_weights():
             optimizer.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_a_newcomer_loads_the_state_of_a_peer_that_has_stepped():
+    torch.manual_seed(0)
+    models = [AutoModelForMaskedLM.from_config(tiny_bert_config(100)) for _ in range(2)]
+    args = TrainingArguments()
+    veteran, newcomer = (lamb_factory(args)(parameter_groups(model, args.weight_decay)) for model in models)
+    for param in models[0].parameters():
+        param.grad = torch.randn_like(param)
+    veteran.step()
+    load_optimizer_state(newcomer, *dump_optimizer_state(veteran))  # what load_state_from_peers does
+    for got, sent in zip(newcomer.state.values(), veteran.state.values(), strict=True):
+        assert got["step"] == 1
+        assert torch.equal(got["exp_avg"], sent["exp_avg"]) and torch.equal(got["exp_avg_sq"], sent["exp_avg_sq"])
+    for param in models[1].parameters():
+        param.grad = torch.randn_like(param)
+    newcomer.step()
