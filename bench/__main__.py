@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     parts = args.only or ["training", "link", "records", "scaling"]
     started = time.monotonic()
     figures: dict = {}
-    ticks = {"training": 5 + len(plan["targets"]) + len(VARIANTS), "link": 2, "records": 2, "scaling": 1}
+    ticks = {"training": 3 + len(plan["targets"]) + len(VARIANTS), "link": 2, "records": 2, "scaling": 1}
     with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:
 
         def progress(what: str) -> None:

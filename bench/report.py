@@ -17,35 +17,37 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+PLAIN_AROUND = "plain pairs before / after"
+
+
+def _plain_around(run: dict) -> str:
+    return " / ".join(_f(value, 1) for value in run.get("plain_around", []))
+
+
 def efficiency_section(training: dict) -> str:
     plain = training["plain_samples_per_second"]
+    runs = [(run["target_batch_size"], run) for run in training["sweep"]]
+    runs.append((f"{training['default_target']} (seed anchor)", training["anchor"]))
     rows = [
-        [
-            run["target_batch_size"],
-            run["samples_per_second"],
-            run["efficiency"],
-            run["window_s"],
-            "/".join(map(str, run["averaging_rounds"])),
-        ]
-        for run in training["sweep"]
+        [name, run["samples_per_second"], _plain_around(run), run["efficiency"], run["window_s"], _rounds(run)]
+        for name, run in runs
     ]
-    anchor = training["anchor"]
-    rows.append(
-        [
-            f"{anchor.get('target_batch_size', 'default')} (seed anchor)",
-            anchor["samples_per_second"],
-            anchor["efficiency"],
-            anchor["window_s"],
-            "/".join(map(str, anchor["averaging_rounds"])),
-        ]
-    )
     parity = training["parity"]
     return "\n\n".join(
         [
-            f"Two plain loops together: {' and '.join(_f(p, 1) for p in plain)} samples/s (before and after the "
-            "collaborative runs; their mean is the denominator).",
+            f"{len(plain)} pairs of plain loops ran, one before the first collaborative run and one after each: "
+            f"{min(plain):.1f} to {max(plain):.1f} samples/s. Each collaborative run is divided by the mean of the "
+            "two plain pairs around it.",
             table(
-                ["target_batch_size", "2 peers, samples/s", "efficiency", "window (s)", "averaging rounds (A/B)"], rows
+                [
+                    "target_batch_size",
+                    "2 peers, samples/s",
+                    PLAIN_AROUND,
+                    "efficiency",
+                    "window (s)",
+                    "averaging rounds (A/B)",
+                ],
+                rows,
             ),
             f"Parity after {parity['steps']} global steps: held-out loss of the peers "
             f"{', '.join(_f(x, 4) for x in parity['collab_losses'])}, one process {_f(parity['reference_loss'], 4)}, "
@@ -56,15 +58,15 @@ def efficiency_section(training: dict) -> str:
 
 def variants_section(training: dict) -> str:
     default = next(run for run in training["sweep"] if run["target_batch_size"] == training["default_target"])
-    rows = [["defaults", default["samples_per_second"], default["efficiency"], _rounds(default)]]
-    rows += [
-        [run["setting"], run["samples_per_second"], run["efficiency"], _rounds(run)] for run in training["variants"]
+    runs = [("defaults", default)] + [(run["setting"], run) for run in training["variants"]]
+    rows = [
+        [name, run["samples_per_second"], _plain_around(run), run["efficiency"], _rounds(run)] for name, run in runs
     ]
     return "\n\n".join(
         [
             "Each setting changed alone from the defaults (target_batch_size "
-            f"{training['default_target']}), run between the same two pairs of plain loops as the defaults.",
-            table(["setting", "2 peers, samples/s", "efficiency", "averaging rounds (A/B)"], rows),
+            f"{training['default_target']}), each divided by the plain pairs just before and after it.",
+            table(["setting", "2 peers, samples/s", PLAIN_AROUND, "efficiency", "averaging rounds (A/B)"], rows),
         ]
     )
 
@@ -73,8 +75,9 @@ def cpu_section(training: dict) -> str:
     """Cores each kind of work used while the pairs ran: where the collaboration's missing throughput went."""
     from bench.cpu import KINDS
 
-    plain = training.get("plain_cpu", [])
-    runs = [(f"plain loops ({when})", cpu) for when, cpu in zip(("before", "after")[: len(plain)], plain, strict=True)]
+    plain = [cpu for cpu in training.get("plain_cpu", []) if cpu]
+    mean = {kind: sum(cpu[kind] for cpu in plain) / len(plain) for kind in KINDS} if plain else None
+    runs = [(f"plain loops (mean of {len(plain)} pairs)", mean)]
     runs += [(f"2 peers, target_batch_size {run['target_batch_size']}", run.get("cpu")) for run in training["sweep"]]
     runs += [("2 peers, seed anchor", training["anchor"].get("cpu"))]
     runs += [(f"2 peers, {run['setting']}", run.get("cpu")) for run in training["variants"]]
@@ -162,8 +165,10 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   `hivemind.Optimizer.step`) train the default model together on 127.0.0.1; their samples/s are counted over the
   window in which both train in steady state (from one global epoch after the second peer joined to the first peer's
   last step) and summed. The denominator is two plain PyTorch + Lamb loops (`bench.plain`, same model, same
-  micro-batch of 16, Lamb step after every micro-batch, one thread each) run side by side just before and just after
-  the collaborative runs (mean of the two). 1.0 means collaborating costs nothing in throughput.
+  micro-batch of 16, Lamb step after every micro-batch, one thread each) run side by side: one such pair runs before
+  the first collaborative run and one after each, and each collaborative run is divided by the mean of the two pairs
+  around it, so a shared machine's drift moves both sides of each ratio alike. 1.0 means collaborating costs nothing
+  in throughput.
 - **anchor_efficiency**: the same, with the seed's `hivemind.Optimizer` settings spelled out on the command line
   (offload, delayed optimizer step and gradient averaging, fp16, parameters averaged every epoch, matchmaking 3 s),
   so the anchor stays the seed's when our defaults move.

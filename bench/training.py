@@ -172,32 +172,38 @@ def reference_loss(steps: int, target_batch_size: int, log_dir: Path) -> float:
 def efficiency_and_parity(
     targets: list[int], default_target: int, seconds: float, parity_steps: int, log_dir: Path, progress
 ) -> dict:
-    """The efficiency sweep over target_batch_size, the seed's anchor at the default, and the loss parity."""
-    plain = [plain_pair(seconds, log_dir, "before")]
+    """The efficiency sweep over target_batch_size, the seed's anchor at the default, and the loss parity.
+
+    A pair of plain loops runs before the first collaborative run and after each one; every collaborative run is
+    divided by the mean of the two plain pairs around it, so a machine that slows down or speeds up during the
+    benchmark moves both sides of each ratio alike.
+    """
+    plain_seconds = max(seconds * 2 / 3, 10.0)
+    plain = [plain_pair(plain_seconds, log_dir, "0")]
     progress("plain loops")
-    default = collab_pair(
-        f"collab{default_target}",
-        ["--target_batch_size", default_target],
-        log_dir,
-        max_steps=parity_steps,
-        timeout=180 + parity_steps * 60,
+    runs: list[tuple[str, dict]] = []  # (kind, run) in the order they ran
+
+    def collab_then_plain(kind: str, name: str, flags: list, **how) -> dict:
+        run = collab_pair(name, ["--target_batch_size", *flags], log_dir, **how)
+        plain.append(plain_pair(plain_seconds, log_dir, str(len(plain))))
+        run["plain_around"] = [plain[-2]["samples_per_second"], plain[-1]["samples_per_second"]]
+        run["efficiency"] = ratio(run["samples_per_second"], sum(run["plain_around"]) / 2)
+        runs.append((kind, run))
+        return run
+
+    default = collab_then_plain(
+        "sweep", f"collab{default_target}", [default_target], max_steps=parity_steps, timeout=180 + parity_steps * 60
     )
+    default["target_batch_size"] = default_target
     progress(f"collaboration at target_batch_size {default_target}")
-    anchor = collab_pair("anchor", ["--target_batch_size", default_target, *SEED_FLAGS], log_dir, seconds=seconds)
+    collab_then_plain("anchor", "anchor", [default_target, *SEED_FLAGS], seconds=seconds)
     progress("seed anchor")
-    variants = {}
     for index, (name, flags) in enumerate(VARIANTS.items()):
-        variants[name] = collab_pair(
-            f"variant{index}", ["--target_batch_size", default_target, *flags], log_dir, seconds=seconds
-        )
+        collab_then_plain("variant", f"variant{index}", [default_target, *flags], seconds=seconds)["setting"] = name
         progress(name)
-    plain.append(plain_pair(seconds, log_dir, "after"))
-    progress("plain loops again")
-    plain_sps = sum(run["samples_per_second"] for run in plain) / len(plain)
-    sweep = {default_target: default}
     for target in targets:
         if target != default_target:
-            sweep[target] = collab_pair(f"collab{target}", ["--target_batch_size", target], log_dir, seconds=seconds)
+            collab_then_plain("sweep", f"collab{target}", [target], seconds=seconds)["target_batch_size"] = target
             progress(f"collaboration at target_batch_size {target}")
     collab_losses = [held_out_loss(folder) for folder in default["models"]]
     reference = reference_loss(parity_steps, default_target, log_dir)
@@ -206,15 +212,9 @@ def efficiency_and_parity(
         "plain_samples_per_second": [run["samples_per_second"] for run in plain],
         "plain_cpu": [run["cpu"] for run in plain],
         "default_target": default_target,
-        "anchor": {**_public(anchor), "efficiency": ratio(anchor["samples_per_second"], plain_sps)},
-        "variants": [
-            {"setting": name, **_public(run), "efficiency": ratio(run["samples_per_second"], plain_sps)}
-            for name, run in variants.items()
-        ],
-        "sweep": [
-            {"target_batch_size": target, **_public(run), "efficiency": ratio(run["samples_per_second"], plain_sps)}
-            for target, run in sorted(sweep.items())
-        ],
+        "anchor": next(_public(run) for kind, run in runs if kind == "anchor"),
+        "variants": [_public(run) for kind, run in runs if kind == "variant"],
+        "sweep": sorted((_public(run) for kind, run in runs if kind == "sweep"), key=lambda r: r["target_batch_size"]),
         "parity": {
             "steps": parity_steps,
             "collab_losses": collab_losses,

@@ -1,4 +1,4 @@
-"""The benchmarks' pure helpers: bandwidth bounds, throughput windows, round times and the JSON summary."""
+"""The benchmarks' pure helpers: bandwidth bounds, throughput windows, round times, the JSON summary and the report."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import math
 
 import pytest
 
+from bench import report
+from bench.cpu import KINDS
 from bench.formulas import (
     SUMMARY_KEYS,
     allreduce_bound_s,
@@ -89,3 +91,34 @@ def test_model_like_shapes_are_about_the_asked_size(params):
 def test_synthetic_records_are_valid_and_unexpired():
     records = synthetic_records(3, now=0.0)
     assert all(parse_metrics(value) is not None and expiration > 0 for value, expiration in records.values())
+
+
+def _run(sps: float, around: list[float], **extra) -> dict:
+    return {
+        "samples_per_second": sps,
+        "plain_around": around,
+        "efficiency": sps / (sum(around) / 2),
+        "window_s": 40.0,
+        "averaging_rounds": [4, 4],
+        "cpu": {kind: 0.5 for kind in KINDS},
+        **extra,
+    }
+
+
+def test_report_shows_each_run_against_the_plain_pairs_around_it():
+    training = {
+        "plain_samples_per_second": [100.0, 80.0, 90.0],
+        "plain_cpu": [{kind: 1.0 for kind in KINDS}, None, {kind: 0.5 for kind in KINDS}],
+        "default_target": 1024,
+        "anchor": _run(72.0, [80.0, 90.0]),
+        "variants": [_run(85.0, [80.0, 90.0], setting="average_state_every 2")],
+        "sweep": [_run(90.0, [100.0, 80.0], target_batch_size=1024)],
+        "parity": {"steps": 8, "collab_losses": [7.0, 7.0], "reference_loss": 7.0, "ratio": 1.0},
+    }
+    header = {"date": "2026-11-24", "command": "make bench", "wall_min": 1.0, "machine": "test"}
+    text = report.render(header, {"training": training}, "{}")
+    assert "3 pairs of plain loops ran" in text and "80.0 to 100.0 samples/s" in text
+    assert "| 1024 | 90.00 | 100.0 / 80.0 | 1.00 | 40.00 | 4/4 |" in text
+    assert "| 1024 (seed anchor) | 72.00 | 80.0 / 90.0 | 0.85 |" in text
+    assert "| average_state_every 2 | 85.00 | 80.0 / 90.0 | 1.00 | 4/4 |" in text
+    assert "| plain loops (mean of 2 pairs) | " + " | ".join(["0.75"] * len(KINDS)) in text
