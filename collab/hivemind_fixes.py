@@ -34,6 +34,12 @@ with its samples/s, so most of those stores are never read. We publish at most o
 (2 s) within a global epoch, and a new epoch at once. Two CPU peers' DHT processes and p2pd went from 0.18-0.21 to
 0.12-0.16 of the 2 cores (docs/BENCHMARKS.md).
 
+The same state-download declaration stored again after every averaged part. Each averager declares in the DHT
+that newcomers may download its state, with its epoch as priority, and re-declares whenever ``_state_updated`` is
+set; the averager sets it after every part of every all-reduce, so each averaging round made dozens of identical
+DHT stores: about 300 a minute per averager for two CPU peers, more than every other DHT call of the peer
+together. We store only when the declaration changes (a new epoch, sharing switched) or expires.
+
 Orphans left by a killed peer. hivemind runs the DHT (with its p2pd) and each averager in child processes that
 stop only when told to over a pipe. When the trainer is SIGKILLed (``kill -9``, the OOM killer) nobody tells them,
 and each child holds pipe ends inherited from the others, so none sees its parent's pipe close: the DHT, its p2pd and
@@ -245,6 +251,40 @@ async def progress_reporter_spaced(self) -> None:
             store_task.cancel()
 
 
+_original_declare_for_download = hivemind.averaging.averager.DecentralizedAverager._declare_for_download_periodically
+
+
+async def declare_for_download_when_changed(self) -> None:
+    """hivemind's ``_declare_for_download_periodically``, storing the declaration only when what it declares
+    (sharing allowed, and the priority: the peer's epoch) changed or the previous one is about to expire.
+
+    hivemind wakes this loop on ``_state_updated``, which the averager also sets after every part of every
+    all-reduce, and stored the same declaration each time.
+    """
+    download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+    sharing_was_allowed = self.allow_state_sharing
+    declared, declared_until = None, -math.inf  # the value stored last, and when that record expires
+    while True:
+        now = get_dht_time()
+        allowed = self.allow_state_sharing
+        value = self.state_sharing_priority if allowed else None
+        if (allowed or sharing_was_allowed) and (value != declared or now >= declared_until):
+            declared, declared_until = value, now + self.declare_state_period
+            store = self.dht.store(
+                download_key,
+                subkey=self.peer_id.to_bytes(),
+                value=value,
+                expiration_time=declared_until,
+                return_future=True,
+            )
+            asyncio.create_task(asyncio.wait_for(store, timeout=self.declare_state_period))
+            sharing_was_allowed = allowed
+        wake_at = declared_until if declared_until > now else now + self.declare_state_period
+        self._state_updated.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, wake_at - get_dht_time()))
+
+
 PARENT_CHECK_PERIOD = 1.0  # seconds between two checks that a hivemind child's parent is still alive
 _original_dht_run = hivemind.dht.dht.DHT.run
 _original_averager_run = hivemind.averaging.averager.DecentralizedAverager.run
@@ -311,6 +351,7 @@ def apply() -> None:
     ProgressTracker._progress_reporter = progress_reporter_spaced
     hivemind.dht.dht.DHT.run = dht_run_ending_with_parent
     averager.run = averager_run_ending_with_parent
+    averager._declare_for_download_periodically = declare_for_download_when_changed
 
 
 apply()

@@ -355,3 +355,65 @@ def test_patched_children_end_with_their_killed_peer_p2pd_included():
     finally:
         for pid in filter(running, children):
             os.kill(pid, signal.SIGKILL)
+
+
+TENSORS = 40  # an averaged model's tensors: hivemind re-declared after each averaged part
+
+
+def download_declarations(patched: bool) -> tuple[int, float | None]:
+    """Two averagers that share their state average TENSORS tensors once, then one raises its priority. Returns the
+    state-download declarations both stored (counted in their processes, which fork from this one) up to the end
+    of the round, and the priority the DHT then shows for the one that raised it (None if not within 10 s)."""
+    declarations = multiprocessing.Value("i", 0)
+    real_store, real_declare = hivemind.DHT.store, DecentralizedAverager._declare_for_download_periodically
+
+    def counted_store(self, key, *args, **kwargs):
+        if str(key).endswith(".all_averagers"):
+            with declarations.get_lock():
+                declarations.value += 1
+        return real_store(self, key, *args, **kwargs)
+
+    hivemind.DHT.store = counted_store
+    if not patched:
+        DecentralizedAverager._declare_for_download_periodically = hivemind_fixes._original_declare_for_download
+    dht1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht2 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht1.get_visible_maddrs())
+    options = dict(prefix="declare", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True)
+    averagers = []
+    try:
+        averagers = [
+            DecentralizedAverager([torch.full((64,), float(i)) for _ in range(TENSORS)], dht=dht, **options)
+            for i, dht in enumerate((dht1, dht2))
+        ]
+        when = get_dht_time() + 1.0
+        steps = [averager.step(scheduled_time=when, wait=False) for averager in averagers]
+        assert all(step.result(timeout=60) for step in steps), "no averaging round"
+        during_round = declarations.value
+
+        averagers[1].state_sharing_priority = 5.0
+        key, subkey = "declare.all_averagers", dht2.peer_id.to_bytes()
+        started, priority = time.monotonic(), None
+        while priority is None and time.monotonic() - started < 10:
+            record = dht1.get(key, latest=True)
+            entry = record and record.value.get(subkey)
+            priority = entry.value if entry and entry.value == 5.0 else None
+        return during_round, priority
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        dht2.shutdown()
+        dht1.shutdown()
+        hivemind.DHT.store, DecentralizedAverager._declare_for_download_periodically = real_store, real_declare
+
+
+@pytest.mark.timeout(120)
+def test_plain_hivemind_redeclares_its_state_after_every_averaged_part():
+    during_round, _ = download_declarations(patched=False)
+    assert during_round > TENSORS, f"{during_round} declarations for one round of {TENSORS} tensors"
+
+
+@pytest.mark.timeout(120)
+def test_patched_averager_declares_once_and_again_when_its_priority_changes():
+    during_round, priority = download_declarations(patched=True)
+    assert during_round == 2, f"{during_round} declarations (one per averager expected)"
+    assert priority == 5.0, "the raised priority never reached the DHT"
