@@ -357,6 +357,22 @@ def test_patched_children_end_with_their_killed_peer_p2pd_included():
             os.kill(pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def two_dhts():
+    """Two DHT nodes on 127.0.0.1, the second joined to the first; shut down afterwards."""
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        second = hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
+        )
+        try:
+            yield first, second
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+
+
 TENSORS = 40  # an averaged model's tensors: hivemind re-declared after each averaged part
 
 
@@ -376,12 +392,14 @@ def download_declarations(patched: bool) -> tuple[int, float | None]:
     hivemind.DHT.store = counted_store
     if not patched:
         DecentralizedAverager._declare_for_download_periodically = hivemind_fixes._original_declare_for_download
-    dht1 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht2 = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht1.get_visible_maddrs())
     options = dict(prefix="declare", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True)
     averagers = []
-    try:
-        averagers = [
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(setattr, hivemind.DHT, "store", real_store)
+        cleanup.callback(setattr, DecentralizedAverager, "_declare_for_download_periodically", real_declare)
+        dht1, dht2 = cleanup.enter_context(two_dhts())
+        cleanup.callback(lambda: [averager.shutdown() for averager in averagers])
+        averagers += [
             DecentralizedAverager([torch.full((64,), float(i)) for _ in range(TENSORS)], dht=dht, **options)
             for i, dht in enumerate((dht1, dht2))
         ]
@@ -398,12 +416,6 @@ def download_declarations(patched: bool) -> tuple[int, float | None]:
             entry = record and record.value.get(subkey)
             priority = entry.value if entry and entry.value == 5.0 else None
         return during_round, priority
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        dht2.shutdown()
-        dht1.shutdown()
-        hivemind.DHT.store, DecentralizedAverager._declare_for_download_periodically = real_store, real_declare
 
 
 @pytest.mark.timeout(120)
