@@ -37,8 +37,8 @@ with its samples/s, so most of those stores are never read. We publish at most o
 The same state-download declaration stored again after every averaged part. Each averager declares in the DHT
 that newcomers may download its state, with its epoch as priority, and re-declares whenever ``_state_updated`` is
 set; the averager sets it after every part of every all-reduce, so each averaging round made dozens of identical
-DHT stores: about 300 a minute per averager for two CPU peers, more than every other DHT call of the peer
-together. We store only when the declaration changes (a new epoch, sharing switched) or expires.
+DHT stores: 300 or more per averager in the first two minutes of two CPU peers, more than every other DHT call
+of the peer together. We store only when the declaration changes (a new epoch, sharing switched) or expires.
 
 Orphans left by a killed peer. hivemind runs the DHT (with its p2pd) and each averager in child processes that
 stop only when told to over a pipe. When the trainer is SIGKILLed (``kill -9``, the OOM killer) nobody tells them,
@@ -256,7 +256,7 @@ _original_declare_for_download = hivemind.averaging.averager.DecentralizedAverag
 
 async def declare_for_download_when_changed(self) -> None:
     """hivemind's ``_declare_for_download_periodically``, storing the declaration only when what it declares
-    (sharing allowed, and the priority: the peer's epoch) changed or the previous one is about to expire.
+    (sharing allowed, and the priority: the peer's epoch) changed or the previous one expired.
 
     hivemind wakes this loop on ``_state_updated``, which the averager also sets after every part of every
     all-reduce, and stored the same declaration each time.

@@ -8,11 +8,11 @@ back. tests/integration/test_partition.py cuts a real link between two trainers 
 import contextlib
 import time
 
-import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
 from collab.dht import keep_rejoining, plan_rejoin
+from tests.local_dht import two_dhts
 from trainer.local import wait_until
 
 PERIOD = 0.5  # seconds between rejoin rounds in these tests (10 s in a peer)
@@ -50,9 +50,7 @@ async def _forget_everyone(_dht, node) -> None:
 
 @contextlib.contextmanager
 def pair(rejoin: bool):
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    try:
+    with two_dhts() as (first, second):
         if rejoin:  # as start_dht does: the joiner also knows its initial peer, the first node knows nobody yet
             keep_rejoining(first, period=PERIOD)
             keep_rejoining(second, [str(maddr) for maddr in first.get_visible_maddrs()], period=PERIOD)
@@ -60,9 +58,6 @@ def pair(rejoin: bool):
         for node in (first, second):
             node.run_coroutine(_forget_everyone)
         yield first, second
-    finally:
-        for node in (first, second):
-            node.shutdown()
 
 
 def test_plain_hivemind_nodes_that_lost_each_other_stay_apart():

@@ -26,6 +26,7 @@ from hivemind.utils import get_dht_time
 from bench.cpu import process_tree, stat_fields
 from collab import hivemind_fixes
 from collab.hivemind_fixes import _original_switch_to_uvloop, switch_to_uvloop_keeping_tasks
+from tests.local_dht import two_dhts
 from trainer.local import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -355,22 +356,6 @@ def test_patched_children_end_with_their_killed_peer_p2pd_included():
     finally:
         for pid in filter(running, children):
             os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def two_dhts():
-    """Two DHT nodes on 127.0.0.1, the second joined to the first; shut down afterwards."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        second = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
-        )
-        try:
-            yield first, second
-        finally:
-            second.shutdown()
-    finally:
-        first.shutdown()
 
 
 TENSORS = 40  # an averaged model's tensors: hivemind re-declared after each averaged part
