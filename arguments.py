@@ -405,7 +405,7 @@ class TrainingArguments:
     seed: int = field(default=42, metadata={"help": "Seed for model initialisation; data order is also keyed by peer"})
     fp16: bool = field(
         default=True,
-        metadata={"help": "Mixed precision (fp16 autocast + hivemind.GradScaler) on CUDA; CPUs train in fp32"},
+        metadata={"help": "Mixed precision (fp16 autocast, loss scaling) on CUDA; CPUs train in fp32"},
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches (processes)"})
     output_dir: str = field(

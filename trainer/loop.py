@@ -86,6 +86,11 @@ class EpochTimer:
             self.warned = True
 
 
+def mixed_precision(fp16: bool, device: torch.device) -> bool:
+    """Whether ``--fp16`` applies on ``device``: fp16 autocast with loss scaling runs on CUDA; CPUs train in fp32."""
+    return fp16 and device.type == "cuda"
+
+
 def amp_context(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.float16) if enabled else contextlib.nullcontext()
 
@@ -98,14 +103,15 @@ def train(
     training_args: TrainingArguments,
     device: torch.device,
     stop: threading.Event,
+    use_amp: bool,
 ) -> TrainingSummary:
     """Train until ``stop`` is set or the global epoch reaches ``max_steps``.
 
     Mini-batches with a non-finite loss or gradient are dropped before they reach the optimizer, so one bad batch
-    never enters an averaging round. With fp16 on CUDA each mini-batch is unscaled before clipping (plain PyTorch
-    AMP: hivemind's GradScaler is only needed with reuse_grad_buffers, which we do not use).
+    never enters an averaging round. With ``use_amp`` (see ``mixed_precision``) the forward pass runs under fp16
+    autocast and each mini-batch is unscaled before clipping: plain PyTorch AMP, as hivemind advises when
+    reuse_grad_buffers is off (its GradScaler is only needed with reuse_grad_buffers, which we do not use).
     """
-    use_amp = training_args.fp16 and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
     accumulation = training_args.gradient_accumulation_steps
     summary = TrainingSummary(start_epoch=optimizer.local_epoch)

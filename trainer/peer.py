@@ -23,7 +23,7 @@ from collab.optim import build_optimizer, finish_delayed_updates
 from collab.schema import make_validators
 from collab.storage import atomic_directory
 from trainer.data import batch_stream, peer_data_seed
-from trainer.loop import TrainingSummary, train
+from trainer.loop import TrainingSummary, mixed_precision, train
 from trainer.model import build_model, load_tokenizer
 from trainer.tasks import TASKS
 
@@ -48,7 +48,8 @@ def run_peer(
 ) -> TrainingSummary:
     """Join the collaboration, train until stopped or max_steps, save the model to output_dir, leave cleanly."""
     device = training_device()
-    if training_args.fp16 and device.type != "cuda":
+    use_amp = mixed_precision(training_args.fp16, device)
+    if training_args.fp16 and not use_amp:
         logger.info("fp16 needs CUDA: training in fp32 on %s", device.type)
     task = TASKS[dataset_args.task]
     tokenizer = load_tokenizer(dataset_args)
@@ -89,7 +90,7 @@ def run_peer(
             task.name,
             training_args.dataloader_num_workers,
         )
-        summary = train(model, optimizer, callback, batches, training_args, device, stop)
+        summary = train(model, optimizer, callback, batches, training_args, device, stop, use_amp)
     finally:
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
