@@ -38,6 +38,7 @@ QUICK = {
     "peer_counts": [2, 4],
 }
 BANDWIDTH_MBIT = 100.0
+PARTS = ["training", "link", "records", "scaling", "gpu"]
 
 
 def parse(argv) -> argparse.Namespace:
@@ -45,13 +46,17 @@ def parse(argv) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about 5 minutes), fewer points")
     parser.add_argument("--output", default="docs/BENCHMARKS.md", help="where to write the report")
     parser.add_argument("--log_dir", default="outputs/bench", help="logs of every process the benchmark starts")
-    parser.add_argument("--render", metavar="FIGURES_JSON", help="only rewrite the report from a run's figures.json")
+    parser.add_argument(
+        "--render",
+        metavar="FIGURES_JSON",
+        help="only rewrite the report from a run's figures (kept beside the report: docs/BENCHMARKS.json)",
+    )
     parser.add_argument(
         "--only",
         nargs="*",
         default=None,
-        choices=["training", "link", "records", "scaling"],
-        help="measure only these parts (the others are reported as not measured)",
+        choices=PARTS,
+        help="measure only these parts (the others are reported as not measured); gpu runs by default on CUDA",
     )
     return parser.parse_args(argv)
 
@@ -69,10 +74,10 @@ def main(argv=None) -> int:
     plan = QUICK if args.quick else FULL
     log_dir = ROOT / args.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
-    parts = args.only or ["training", "link", "records", "scaling"]
+    parts = args.only or default_parts()
     started = time.monotonic()
     figures: dict = {}
-    ticks = {"training": 3 + len(plan["targets"]) + len(VARIANTS), "link": 2, "records": 2, "scaling": 1}
+    ticks = {"training": 3 + len(plan["targets"]) + len(VARIANTS), "link": 2, "records": 2, "scaling": 1, "gpu": 3}
     with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:
 
         def progress(what: str) -> None:
@@ -114,11 +119,16 @@ def main(argv=None) -> int:
                 "paper": paper_scaling(DEFAULT_PARAMS, [2, 8, 64, 256], BANDWIDTH_MBIT, (per_record or 0.0) / 10_000),
             }
             progress("scaling")
+        if "gpu" in parts:
+            from bench.gpu import gpu_efficiency
+
+            figures["gpu"] = gpu_efficiency(plan["seconds"], log_dir, progress)
     figures["wall_s"] = time.monotonic() - started
     summary = summarize(figures)
     header = run_header(figures["wall_s"], args)
     saved = {**figures, "summary": json.loads(summary), "header": header}
-    (log_dir / "figures.json").write_text(json.dumps(saved, default=str))
+    # Beside the report, so a change to the report's text can be rendered again without measuring again.
+    (ROOT / args.output).with_suffix(".json").write_text(json.dumps(saved, default=str, indent=1) + "\n")
     write_report(ROOT / args.output, figures, summary, args, header)
     print(f"Wrote {args.output} in {figures['wall_s'] / 60:.1f} min; logs in {args.log_dir}/", file=sys.stderr)
     print(summary)
@@ -145,7 +155,22 @@ def summarize(figures: dict) -> str:
         out["aggregate_ms_10k"] = figures["records"]["aggregate_ms_10k"]
     if "scaling" in figures:
         out["scaling"] = {str(r["peers"]): r["allreduce_s"] for r in figures["scaling"]["measured"]}
+    if figures.get("gpu"):
+        gpu = figures["gpu"]
+        out["gpu"] = {
+            "device": gpu["device"],
+            "per_peer_samples_per_second": gpu["per_peer_samples_per_second"],
+            "plain_samples_per_second": sum(gpu["plain_per_loop"]) / 2,
+            "efficiency": gpu["efficiency"],
+        }
     return summary_json(out)
+
+
+def default_parts() -> list[str]:
+    """Every part; item 7 (gpu) only where PyTorch sees a CUDA device."""
+    from bench.gpu import cuda_device_name
+
+    return [part for part in PARTS if part != "gpu" or cuda_device_name() is not None]
 
 
 def run_header(wall_s: float, args) -> dict:

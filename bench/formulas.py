@@ -18,6 +18,7 @@ SUMMARY_KEYS = (
     "aggregate_ms_10k",
     "parity_loss_ratio",
     "scaling",
+    "gpu",
 )
 
 
@@ -43,6 +44,13 @@ def ratio(measured: float | None, reference: float | None) -> float | None:
     if measured is None or reference is None or not reference > 0 or not math.isfinite(measured):
         return None
     return measured / reference
+
+
+def epoch_target_batch_size(samples_per_second: float, epoch_seconds: float, minimum: int = 1024) -> int:
+    """The power of two of samples (at least ``minimum``) that peers training at ``samples_per_second`` in all
+    take about ``epoch_seconds`` or more to gather: long epochs keep averaging a small share of the time."""
+    wanted = max(float(minimum), samples_per_second * epoch_seconds)
+    return 2 ** math.ceil(math.log2(wanted))
 
 
 def median(values: Sequence[float]) -> float | None:

@@ -1,6 +1,7 @@
 """Plain PyTorch + Lamb on the default model, no hivemind: the other side of the efficiency and parity ratios.
 
-``python -m bench.plain throughput OUT.json --seconds S``: step Lamb after every micro-batch for S seconds.
+``python -m bench.plain throughput OUT.json --seconds S [--device cuda --fp16]``: step Lamb after every micro-batch
+for S seconds (with ``--fp16``, under fp16 autocast with loss scaling, as a plain Hugging Face AMP loop).
 ``python -m bench.plain reference OUT.json --steps K --target_batch_size B``: K steps of B samples each (micro-batches
 accumulated, each clipped as the trainer does), then the held-out loss.
 """
@@ -17,6 +18,7 @@ from arguments import DatasetArguments, OptimizerArguments, TrainingArguments
 from collab.optim import lamb_factory, parameter_groups, scheduler_factory
 from trainer.data import batch_stream, load_split, load_train_split, make_collator
 from trainer.evaluate import language_model_loss
+from trainer.loop import amp_context
 from trainer.model import build_model, load_tokenizer
 
 
@@ -35,27 +37,52 @@ def setup(seed: int):
     return model, task, tokenizer, optimizer, batches, training_args
 
 
-def backward(model, batch, max_grad_norm: float) -> int:
-    loss = model(**batch).loss
-    loss.backward()
+def backward(model, batch, max_grad_norm: float, scaler: torch.amp.GradScaler | None = None, optimizer=None) -> int:
+    """Forward and backward one micro-batch, clipped; with ``scaler``, under fp16 autocast and unscaled first."""
+    with amp_context(next(model.parameters()).device, scaler is not None):
+        loss = model(**batch).loss
+    if scaler is None:
+        loss.backward()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     return len(batch["input_ids"])
 
 
-def throughput(seconds: float, seed: int) -> dict:
+def throughput(seconds: float, seed: int, device: str = "cpu", fp16: bool = False) -> dict:
     """Samples/s of micro-batch training with a Lamb step after each, after a short warm-up."""
     model, _, _, optimizer, batches, args = setup(seed)
-    model.train()
+    model.to(device).train()
+    scaler = torch.amp.GradScaler(torch.device(device).type) if fp16 else None
     samples, start = 0, None
     for step in range(10**9):
         if step == 3:
+            synchronize(device)
             samples, start = 0, time.monotonic()
-        samples += backward(model, next(batches), args.max_grad_norm)
-        optimizer.step()
+        batch = {name: tensor.to(device, non_blocking=True) for name, tensor in next(batches).items()}
+        samples += backward(model, batch, args.max_grad_norm, scaler, optimizer)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
         if start is not None and time.monotonic() - start >= seconds:
             break
-    return {"samples_per_second": samples / (time.monotonic() - start), "threads": torch.get_num_threads()}
+    synchronize(device)
+    return {
+        "samples_per_second": samples / (time.monotonic() - start),
+        "threads": torch.get_num_threads(),
+        "device": device,
+        "loss_scale": scaler.get_scale() if scaler else None,
+    }
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work, so the clock measures work done rather than work launched."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def reference(steps: int, target_batch_size: int, seed: int) -> dict:
@@ -90,9 +117,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--target_batch_size", type=int, default=OptimizerArguments.target_batch_size)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="throughput: where to train (cpu, cuda)")
+    parser.add_argument("--fp16", action="store_true", help="throughput: fp16 autocast with loss scaling")
     args = parser.parse_args(argv)
     if args.mode == "throughput":
-        result = throughput(args.seconds, args.seed)
+        result = throughput(args.seconds, args.seed, args.device, args.fp16)
     else:
         result = reference(args.steps, args.target_batch_size, args.seed)
     with open(args.out, "w") as f:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.cpu import CpuSampler
@@ -38,15 +39,17 @@ VARIANTS = {
 }
 
 
-def plain_pair(seconds: float, log_dir: Path, tag: str) -> dict:
-    """Total samples/s of two plain PyTorch + Lamb loops, one thread each, side by side, and the cores they used."""
+def plain_pair(seconds: float, log_dir: Path, tag: str, flags: Sequence[str] = ()) -> dict:
+    """Total samples/s of two plain PyTorch + Lamb loops, one thread each, side by side, and the cores they used.
+
+    ``flags`` go to ``bench.plain throughput`` (``--device cuda --fp16`` for the GPU figures)."""
     outs = [log_dir / f"plain_{tag}_{i}.json" for i in range(2)]
     with children() as started:
         for i, out in enumerate(outs):
             started.append(
                 Child(
                     "bench.plain",
-                    ["throughput", out, "--seconds", seconds, "--seed", i],
+                    ["throughput", out, "--seconds", seconds, "--seed", i, *flags],
                     log_dir / f"plain_{tag}_{i}.log",
                     seconds + 180,
                     env=ONE_THREAD,

@@ -13,6 +13,7 @@ from bench.formulas import (
     SUMMARY_KEYS,
     allreduce_bound_s,
     allreduce_bytes_per_peer,
+    epoch_target_batch_size,
     paper_scaling,
     ratio,
     round_times,
@@ -22,6 +23,7 @@ from bench.formulas import (
     transfer_bound_s,
 )
 from bench.netpeer import model_like_shapes
+from bench.plain import throughput
 from bench.records import synthetic_records
 from collab.schema import parse_metrics
 
@@ -122,3 +124,36 @@ def test_report_shows_each_run_against_the_plain_pairs_around_it():
     assert "| 1024 (seed anchor) | 72.00 | 80.0 / 90.0 | 0.85 |" in text
     assert "| average_state_every 2 | 85.00 | 80.0 / 90.0 | 1.00 | 4/4 |" in text
     assert "| plain loops (mean of 2 pairs) | " + " | ".join(["0.75"] * len(KINDS)) in text
+
+
+def test_gpu_target_batch_is_a_power_of_two_lasting_the_epoch():
+    assert epoch_target_batch_size(116.0, 9.0) == 2048  # 1044 samples in 9 s
+    assert epoch_target_batch_size(50.0, 9.0) == 1024  # never below the default
+    assert epoch_target_batch_size(5000.0, 9.0) == 65536  # 45,000 samples in 9 s
+
+
+def test_report_shows_the_gpu_figures_or_why_they_are_missing():
+    header = {"date": "2026-11-24", "command": "make bench", "wall_min": 1.0, "machine": "test"}
+    assert "PyTorch saw no CUDA device" in report.render(header, {}, "{}")
+    gpu = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "target_batch_size": 65536,
+        "per_peer_samples_per_second": 900.0,
+        "plain_per_loop": [1000.0, 950.0],
+        "efficiency": 900.0 / 975.0,
+        "averaging_rounds": [5, 5],
+        "window_s": 40.0,
+    }
+    text = report.render(header, {"gpu": gpu}, "{}")
+    assert "Device: **NVIDIA H100 80GB HBM3**; target_batch_size 65536." in text
+    assert "| plain HF AMP loops (before / after) | 1000.0 / 950.0 |" in text
+    assert "| collaborating peers (fp16) | 900.00 | 0.92 | 40.00 | 5/5 |" in text
+
+
+@pytest.mark.timeout(120)
+def test_plain_fp16_loop_runs_autocast_with_loss_scaling():
+    # bench.plain's GPU side on CPU (PyTorch runs fp16 autocast and GradScaler there too): it trains and scales.
+    result = throughput(seconds=1.0, seed=0, device="cpu", fp16=True)
+    assert result["samples_per_second"] > 0 and result["device"] == "cpu"
+    assert 1.0 <= result["loss_scale"] <= 65536.0  # started at 65536, halves on each overflow, never grows in 1 s
+    assert throughput(seconds=0.5, seed=0)["loss_scale"] is None
