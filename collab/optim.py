@@ -126,9 +126,12 @@ def scheduler_factory(training_args: TrainingArguments) -> Callable:
 
 
 def local_batch_size(training_args: TrainingArguments) -> int:
-    """Samples this peer adds per ``optimizer.step()``: per-device batch x accumulation x number of GPUs."""
-    devices = max(1, torch.cuda.device_count())
-    return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * devices
+    """Samples this peer adds per ``optimizer.step()``: per-device batch x accumulation.
+
+    A peer trains on one device (the first GPU, else the CPU), so other GPUs on the machine add nothing: run one peer
+    per GPU (``CUDA_VISIBLE_DEVICES``). Counting them, as the HF Trainer's data parallelism would, made a peer on a
+    multi-GPU machine claim samples it never computed."""
+    return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
 
 
 def build_optimizer(
