@@ -18,11 +18,12 @@ from arguments import DatasetArguments, OptimizerArguments, TrainingArguments
 from collab.optim import lamb_factory, parameter_groups, scheduler_factory
 from trainer.data import batch_stream, load_split, load_train_split, make_collator
 from trainer.evaluate import language_model_loss
-from trainer.loop import amp_context
+from trainer.loop import amp_context, flush_denormals
 from trainer.model import build_model, load_tokenizer
 
 
-def setup(seed: int):
+def setup(seed: int, pin_memory: bool = False):
+    flush_denormals()  # as the trainer does: both sides compute alike
     dataset_args, training_args = DatasetArguments(), TrainingArguments()
     tokenizer = load_tokenizer(dataset_args)
     model, task = build_model(dataset_args, tokenizer, training_args.seed)
@@ -33,6 +34,7 @@ def setup(seed: int):
         training_args.per_device_train_batch_size,
         seed,
         task,
+        pin_memory=pin_memory,
     )
     return model, task, tokenizer, optimizer, batches, training_args
 
@@ -52,7 +54,8 @@ def backward(model, batch, max_grad_norm: float, scaler: torch.amp.GradScaler | 
 
 def throughput(seconds: float, seed: int, device: str = "cpu", fp16: bool = False) -> dict:
     """Samples/s of micro-batch training with a Lamb step after each, after a short warm-up."""
-    model, _, _, optimizer, batches, args = setup(seed)
+    on_gpu = torch.device(device).type == "cuda"
+    model, _, _, optimizer, batches, args = setup(seed, pin_memory=on_gpu)  # as the trainer and HF's Trainer do
     model.to(device).train()
     scaler = torch.amp.GradScaler(torch.device(device).type) if fp16 else None
     samples, start = 0, None

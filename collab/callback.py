@@ -128,8 +128,9 @@ class CollaborativeCallback:
 
     @torch.no_grad()
     def _take_backup(self) -> dict:
+        """Copies in host memory: on a GPU peer a backup on the device would take as much GPU memory as the model."""
         return {
-            "model": {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()},
+            "model": {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 

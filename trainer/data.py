@@ -125,9 +125,16 @@ def model_inputs(dataset: Dataset, task: str) -> Dataset:
 
 
 def batch_stream(
-    dataset: Dataset, collator, batch_size: int, data_seed: int, task: str, num_workers: int = 0
+    dataset: Dataset,
+    collator,
+    batch_size: int,
+    data_seed: int,
+    task: str,
+    num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless batches, reshuffled on every pass over the data."""
+    """Endless batches, reshuffled on every pass over the data (in page-locked memory with ``pin_memory``, so the
+    copy to a GPU runs asynchronously)."""
     dataset = model_inputs(dataset, task)
     loader = DataLoader(
         dataset,
@@ -137,6 +144,7 @@ def batch_stream(
         collate_fn=collator,
         generator=torch.Generator().manual_seed(data_seed),
         num_workers=num_workers,
+        pin_memory=pin_memory,
     )
     while True:
         yield from loader

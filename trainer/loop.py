@@ -86,6 +86,17 @@ class EpochTimer:
             self.warned = True
 
 
+def flush_denormals() -> bool:
+    """Compute with subnormal floats (below 1.2e-38) as zeros on this CPU; call before any other thread starts.
+
+    x86 CPUs take up to a hundred times longer over subnormal values, and training meets them: after about thirty
+    Lamb steps the default model's forward and backward took 0.36 to 0.50 s a micro-batch instead of 0.22 on one
+    core, and with this 0.22 to 0.23 throughout. Values that small are rounding noise next to the weights they
+    update. Threads started later (OpenMP's pool, hivemind's background step) inherit the setting. Returns whether
+    the CPU supports it (x86 with SSE3; elsewhere it does nothing)."""
+    return torch.set_flush_denormal(True)
+
+
 def mixed_precision(fp16: bool, device: torch.device) -> bool:
     """Whether ``--fp16`` applies on ``device``: fp16 autocast with loss scaling runs on CUDA; CPUs train in fp32."""
     return fp16 and device.type == "cuda"

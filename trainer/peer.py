@@ -23,7 +23,7 @@ from collab.optim import build_optimizer, finish_delayed_updates
 from collab.schema import make_validators
 from collab.storage import atomic_directory
 from trainer.data import batch_stream, peer_data_seed
-from trainer.loop import TrainingSummary, mixed_precision, train
+from trainer.loop import TrainingSummary, flush_denormals, mixed_precision, train
 from trainer.model import build_model, load_tokenizer
 from trainer.tasks import TASKS
 
@@ -47,6 +47,7 @@ def run_peer(
     stop: threading.Event,
 ) -> TrainingSummary:
     """Join the collaboration, train until stopped or max_steps, save the model to output_dir, leave cleanly."""
+    flush_denormals()
     device = training_device()
     use_amp = mixed_precision(training_args.fp16, device)
     if training_args.fp16 and not use_amp:
@@ -89,6 +90,7 @@ def run_peer(
             peer_data_seed(training_args.seed, public_key),
             task.name,
             training_args.dataloader_num_workers,
+            pin_memory=device.type == "cuda",
         )
         summary = train(model, optimizer, callback, batches, training_args, device, stop, use_amp)
     finally:

@@ -1,4 +1,9 @@
-"""trainer.loop's pure helpers."""
+"""trainer.loop's pure helpers, and its CPU math setting."""
+
+import subprocess
+import sys
+
+import pytest
 
 from trainer.loop import EpochTimer, short_epoch_warning
 
@@ -21,3 +26,26 @@ def test_the_timer_warns_once(caplog):
         timer.ended(now)
     assert timer.seconds == [3.0] * 5
     assert [r.getMessage() for r in caplog.records].count(short_epoch_warning([3.0] * 3, 3.0)) == 1
+
+
+FLUSH_CHECK = """
+import threading, torch
+from trainer.loop import flush_denormals
+def product():
+    return (torch.tensor([1e-39]) * 3.0).item()
+before = product()
+supported = flush_denormals()
+seen = []
+worker = threading.Thread(target=lambda: seen.append(product()))
+worker.start(); worker.join()
+print(before, supported, product(), seen[0])
+"""
+
+
+def test_flushed_subnormals_compute_as_zero_here_and_in_threads_started_later():
+    # A fresh interpreter: the setting is per process and must not leak into the other tests.
+    result = subprocess.run([sys.executable, "-c", FLUSH_CHECK], capture_output=True, text=True, timeout=120)
+    before, supported, after, in_thread = result.stdout.split()
+    assert float(before) == pytest.approx(3e-39, rel=1e-3)  # subnormal, computed exactly (and slowly) by default
+    if supported == "True":
+        assert float(after) == 0.0 and float(in_thread) == 0.0
