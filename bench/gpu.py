@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.formulas import epoch_target_batch_size, ratio
-from bench.training import collab_pair, plain_pair
+from bench.training import collab_pair, plain_pair, plain_seconds
 
 GPU_EPOCH_SECONDS = 9.0  # an epoch of the CPU default (1024 samples at about 116 samples/s for the pair)
 
@@ -33,13 +33,12 @@ def gpu_efficiency(seconds: float, log_dir: Path, progress, device: str = "cuda"
     if name is None:
         raise RuntimeError("item 7 needs a CUDA device: torch.cuda.is_available() is False")
     plain_flags = ["--device", device, "--fp16"]
-    plain_seconds = max(seconds * 2 / 3, 10.0)
-    before = plain_pair(plain_seconds, log_dir, "gpu_0", plain_flags)
+    before = plain_pair(plain_seconds(seconds), log_dir, "gpu_0", plain_flags)
     progress("GPU plain loops")
     target = epoch_target_batch_size(before["samples_per_second"], GPU_EPOCH_SECONDS)
     run = collab_pair("gpu", ["--target_batch_size", target], log_dir, seconds=seconds)
     progress(f"GPU collaboration at target_batch_size {target}")
-    after = plain_pair(plain_seconds, log_dir, "gpu_1", plain_flags)
+    after = plain_pair(plain_seconds(seconds), log_dir, "gpu_1", plain_flags)
     progress("GPU plain loops")
     plain_around = [before["samples_per_second"], after["samples_per_second"]]
     collab = run["samples_per_second"]

@@ -1,8 +1,17 @@
-"""Items 1 and 5: samples/s of two collaborating peers against two plain loops, and the loss they reach."""
+"""Items 1 and 5: samples/s of two collaborating peers against two plain loops, and the loss they reach.
+
+``python -m bench.training [--seconds S] TRAINER_FLAGS...`` measures one setting alone: two peers started with those
+flags, divided by the plain pairs before and after them (about 3 minutes), e.g. ``python -m bench.training
+--target_batch_size 256 --matchmaking_time 1``. The last line it prints is the run as JSON.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+import shlex
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +46,18 @@ VARIANTS = {
     "no delayed step or averaging": ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"],
     "grad_compression 8bit": ["--grad_compression", "8bit"],
 }
+
+
+def plain_seconds(collab_seconds: float) -> float:
+    """How long each plain pair runs beside collaborative runs of ``collab_seconds`` of steady state."""
+    return max(collab_seconds * 2 / 3, 10.0)
+
+
+def against_plain(run: dict, before: dict, after: dict) -> dict:
+    """``run`` with the plain pairs that ran just before and after it, and its efficiency against their mean."""
+    run["plain_around"] = [before["samples_per_second"], after["samples_per_second"]]
+    run["efficiency"] = ratio(run["samples_per_second"], sum(run["plain_around"]) / 2)
+    return run
 
 
 def plain_pair(seconds: float, log_dir: Path, tag: str, flags: Sequence[str] = ()) -> dict:
@@ -181,17 +202,14 @@ def efficiency_and_parity(
     divided by the mean of the two plain pairs around it, so a machine that slows down or speeds up during the
     benchmark moves both sides of each ratio alike.
     """
-    plain_seconds = max(seconds * 2 / 3, 10.0)
-    plain = [plain_pair(plain_seconds, log_dir, "0")]
+    plain = [plain_pair(plain_seconds(seconds), log_dir, "0")]
     progress("plain loops")
     runs: list[tuple[str, dict]] = []  # (kind, run) in the order they ran
 
     def collab_then_plain(kind: str, name: str, flags: list, **how) -> dict:
         run = collab_pair(name, ["--target_batch_size", *flags], log_dir, **how)
-        plain.append(plain_pair(plain_seconds, log_dir, str(len(plain))))
-        run["plain_around"] = [plain[-2]["samples_per_second"], plain[-1]["samples_per_second"]]
-        run["efficiency"] = ratio(run["samples_per_second"], sum(run["plain_around"]) / 2)
-        runs.append((kind, run))
+        plain.append(plain_pair(plain_seconds(seconds), log_dir, str(len(plain))))
+        runs.append((kind, against_plain(run, plain[-2], plain[-1])))
         return run
 
     default = collab_then_plain(
@@ -229,3 +247,31 @@ def efficiency_and_parity(
 
 def _public(run: dict) -> dict:
     return {key: value for key, value in run.items() if key != "models"}
+
+
+def one_setting(flags: list[str], seconds: float, log_dir: Path) -> dict:
+    """Two peers with ``flags`` for ``seconds`` of steady state, between two plain pairs."""
+    before = plain_pair(plain_seconds(seconds), log_dir, "before")
+    run = collab_pair("setting", flags, log_dir, seconds=seconds)
+    after = plain_pair(plain_seconds(seconds), log_dir, "after")
+    return _public(against_plain(run, before, after))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.training",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--seconds", type=float, default=45, help="steady-state seconds of the collaborative run")
+    parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/setting"), help="every process's log")
+    args, trainer_flags = parser.parse_known_args(argv)
+    run = one_setting(trainer_flags, args.seconds, args.log_dir)
+    print(f"{shlex.join(trainer_flags) or 'defaults'}: efficiency {run['efficiency']:.2f}", file=sys.stderr)
+    print(json.dumps({"flags": trainer_flags, **run}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ from bench.formulas import (
 from bench.netpeer import model_like_shapes
 from bench.plain import throughput
 from bench.records import synthetic_records
+from bench.training import against_plain
 from collab.schema import parse_metrics
 
 
@@ -124,6 +125,17 @@ def test_report_shows_each_run_against_the_plain_pairs_around_it():
     assert "| 1024 (seed anchor) | 72.00 | 80.0 / 90.0 | 0.85 |" in text
     assert "| average_state_every 2 | 85.00 | 80.0 / 90.0 | 1.00 | 4/4 |" in text
     assert "| plain loops (mean of 2 pairs) | " + " | ".join(["0.75"] * len(KINDS)) in text
+
+
+def test_a_run_is_divided_by_the_mean_of_the_plain_pairs_around_it():
+    run = against_plain({"samples_per_second": 90.0}, {"samples_per_second": 100.0}, {"samples_per_second": 80.0})
+    assert run["plain_around"] == [100.0, 80.0] and run["efficiency"] == pytest.approx(1.0)
+    assert (
+        against_plain({"samples_per_second": None}, {"samples_per_second": 100.0}, {"samples_per_second": 80.0})[
+            "efficiency"
+        ]
+        is None
+    )  # a collaborative run that never reached steady state has no efficiency
 
 
 def test_gpu_target_batch_is_a_power_of_two_lasting_the_epoch():
