@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -181,8 +182,18 @@ def run_header(wall_s: float, args) -> dict:
         "date": datetime.date.today().isoformat(),
         "command": command,
         "wall_min": wall_s / 60,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
+        "machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"Python {platform.python_version()}",
     }
+
+
+def cpu_model() -> str:
+    """The processor's name (``model name`` in /proc/cpuinfo): CPU ratios differ from one host to another."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 def write_report(path: Path, figures: dict, summary: str, args, header: dict) -> None:
