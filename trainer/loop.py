@@ -52,9 +52,13 @@ SHORT_EPOCH_WINDOW = 3  # epochs whose median length is judged
 def short_epoch_warning(epoch_seconds: list[float], matchmaking_time: float) -> str | None:
     """The operator's fix when the last epochs were too short for matchmaking, else None.
 
-    Each averaging round is matched ``matchmaking_time`` ahead of its epoch's end; when an epoch is not much longer,
-    the next round is matched while the previous one still runs, peers' rounds fall out of step and each waits for a
-    partner that is busy elsewhere (docs/BENCHMARKS.md: 0.4 of the plain loops' throughput instead of 0.85)."""
+    An epoch cannot end before the previous epoch's background update (averaged gradients, Lamb step, averaged
+    parameters) has finished. Gradient rounds are matched ahead of their epoch's end, but hivemind 1.1.12 never
+    matches parameter rounds ahead (the delay estimate that would schedule them is only updated by a round that was),
+    so each one starts looking for its group when its epoch ends and takes at least ``matchmaking_time``: epochs
+    whose compute is shorter are stretched to about that. Shorter still, an averager is still matching one round when
+    the next is due, rounds pair up across epochs and each mismatched part waits ``next_chunk_timeout``
+    (docs/BENCHMARKS.md, target_batch_size 256: 0.41 to 0.74 of the plain loops' throughput, 0.91 to 0.96 at 1024)."""
     if len(epoch_seconds) < SHORT_EPOCH_WINDOW:
         return None
     typical = statistics.median(epoch_seconds[-SHORT_EPOCH_WINDOW:])
