@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.formulas import epoch_target_batch_size, ratio
-from bench.training import collab_pair, plain_pair, plain_seconds
+from bench.formulas import epoch_target_batch_size
+from bench.training import against_plain, collab_pair, plain_pair, plain_seconds
 
 GPU_EPOCH_SECONDS = 9.0  # an epoch of the CPU default (1024 samples at about 116 samples/s for the pair)
 
@@ -40,14 +40,14 @@ def gpu_efficiency(seconds: float, log_dir: Path, progress, device: str = "cuda"
     progress(f"GPU collaboration at target_batch_size {target}")
     after = plain_pair(plain_seconds(seconds), log_dir, "gpu_1", plain_flags)
     progress("GPU plain loops")
-    plain_around = [before["samples_per_second"], after["samples_per_second"]]
+    run = against_plain(run, before, after)
     collab = run["samples_per_second"]
     return {
         "device": name,
         "target_batch_size": target,
         "per_peer_samples_per_second": collab and collab / 2,
-        "plain_per_loop": [total / 2 for total in plain_around],
-        "efficiency": ratio(collab, sum(plain_around) / 2),
+        "plain_per_loop": [total / 2 for total in run["plain_around"]],
+        "efficiency": run["efficiency"],
         "averaging_rounds": run["averaging_rounds"],
         "window_s": run["window_s"],
     }
