@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -86,6 +87,39 @@ def total_samples_per_second(peers_steps: Sequence[Sequence[tuple[float, int, in
     start, end = window
     samples = sum(n for steps in peers_steps for t, n, _ in steps if start < t <= end)
     return samples / (end - start)
+
+
+def time_split(peers_steps: Sequence[Sequence[tuple[float, int, int]]], warmup_epochs: int = 1) -> dict | None:
+    """Where a pair's steady window went: the typical micro-step, and the seconds each global epoch adds on top.
+
+    Per peer, over the whole epochs inside the window (from the first step of one epoch to the first step of the
+    next): the median gap between two steps is the micro-step as it runs between averaging rounds (``step_s``), and
+    what an epoch lasts beyond its steps at that median is the cost of its boundary (``extra_s_per_epoch``: the
+    averaging rounds and the background Lamb step taking CPU from the loop, and any wait for them). Means over the
+    peers; None unless every peer has a whole epoch in the window.
+    """
+    window = steady_window(peers_steps, warmup_epochs)
+    if window is None:
+        return None
+    start, end = window
+    splits = []
+    for steps in peers_steps:
+        inside = [(t, epoch) for t, _, epoch in steps if start <= t <= end]
+        firsts = [i for i in range(1, len(inside)) if inside[i][1] != inside[i - 1][1]]
+        if len(firsts) < 2:
+            return None
+        times = [t for t, _ in inside[firsts[0] : firsts[-1] + 1]]
+        step = statistics.median(later - earlier for earlier, later in itertools.pairwise(times))
+        epochs = len(firsts) - 1
+        epoch_s = (times[-1] - times[0]) / epochs
+        splits.append((step, epoch_s - step * (len(times) - 1) / epochs, epoch_s))
+    count = len(splits)
+    return {
+        "step_s": sum(step for step, _, _ in splits) / count,
+        "extra_s_per_epoch": sum(extra for _, extra, _ in splits) / count,
+        "epoch_s": sum(epoch for _, _, epoch in splits) / count,
+        "samples_per_step": statistics.median(n for steps in peers_steps for _, n, _ in steps),
+    }
 
 
 def round_times(peers_rounds: Sequence[Sequence[tuple[float, float]]]) -> list[float]:

@@ -75,6 +75,64 @@ def variants_section(training: dict) -> str:
     )
 
 
+def _collab_runs(training: dict) -> list[tuple[str, dict]]:
+    """Every collaborative run of the training figures, named as the report's rows name them."""
+    runs = [(f"target_batch_size {run['target_batch_size']}", run) for run in training["sweep"]]
+    runs += [("seed anchor", training["anchor"])]
+    return runs + [(run["setting"], run) for run in training["variants"]]
+
+
+def time_section(training: dict) -> str:
+    """Each run's efficiency split into the micro-step's speed and the epoch boundaries' cost."""
+    rows = []
+    for name, run in _collab_runs(training):
+        split = run.get("time_split")
+        if not split or "plain_step_s" not in split:
+            continue
+        step_share = split["plain_step_s"] / split["step_s"]
+        epoch_share = 1 - split["extra_s_per_epoch"] / split["epoch_s"]
+        rows.append(
+            [
+                name,
+                _f(split["step_s"], 3),
+                _f(split["plain_step_s"], 3),
+                step_share,
+                split["extra_s_per_epoch"],
+                split["epoch_s"],
+                epoch_share,
+                step_share * epoch_share,
+                run["efficiency"],
+            ]
+        )
+    if not rows:
+        return "Not measured in this run."
+    return "\n\n".join(
+        [
+            "Each peer's steps inside the steady window (`bench.formulas.time_split`): the median gap between two "
+            "steps is its micro-step as it runs between averaging rounds; what the gaps add beyond that median, per "
+            "global epoch, is what each epoch boundary costs (the gradient round, the background Lamb step and the "
+            "parameter round taking CPU from the loop, and any wait for them). The plain loops' micro-step is the "
+            "same batch at the plain pairs' mean rate. Efficiency is then (plain step / peer's step) x (1 - extra / "
+            "epoch): the first factor is what the collaboration's background costs every step, the second what the "
+            "epoch boundaries cost.",
+            table(
+                [
+                    "run",
+                    "peer's step (s)",
+                    "plain step (s)",
+                    "step factor",
+                    "extra per epoch (s)",
+                    "epoch (s)",
+                    "epoch factor",
+                    "product",
+                    "efficiency",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def cpu_section(training: dict) -> str:
     """Cores each kind of work used while the pairs ran: where the collaboration's missing throughput went."""
     from bench.cpu import KINDS
@@ -82,9 +140,7 @@ def cpu_section(training: dict) -> str:
     plain = [cpu for cpu in training.get("plain_cpu", []) if cpu]
     mean = {kind: sum(cpu[kind] for cpu in plain) / len(plain) for kind in KINDS} if plain else None
     runs = [(f"plain loops (mean of {len(plain)} pairs)", mean)]
-    runs += [(f"2 peers, target_batch_size {run['target_batch_size']}", run.get("cpu")) for run in training["sweep"]]
-    runs += [("2 peers, seed anchor", training["anchor"].get("cpu"))]
-    runs += [(f"2 peers, {run['setting']}", run.get("cpu")) for run in training["variants"]]
+    runs += [(f"2 peers, {name}", run.get("cpu")) for name, run in _collab_runs(training)]
     rows = [[name, *(cpu[kind] for kind in KINDS), sum(cpu.values())] for name, cpu in runs if cpu]
     if not rows:
         return "Not measured in this run."
@@ -257,6 +313,7 @@ def render(header: dict, figures: dict, summary: str) -> str:
     if figures.get("training", {}).get("variants"):
         parts += ["## Settings tried", variants_section(figures["training"])]
     if "training" in figures:
+        parts += ["## Where the time went", time_section(figures["training"])]
         parts += ["## Where the CPU went", cpu_section(figures["training"])]
     if "records" in figures:
         records = figures["records"]

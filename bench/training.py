@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.cpu import CpuSampler
-from bench.formulas import ratio, steady_window, total_samples_per_second
+from bench.formulas import ratio, steady_window, time_split, total_samples_per_second
 from bench.procs import ONE_THREAD, Child, children, read_json, read_json_lines, wait_for
 
 JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
@@ -48,15 +48,24 @@ VARIANTS = {
 }
 
 
+PAIR = 2  # loops in a plain pair and peers in a collaborative one
+
+
 def plain_seconds(collab_seconds: float) -> float:
     """How long each plain pair runs beside collaborative runs of ``collab_seconds`` of steady state."""
     return max(collab_seconds * 2 / 3, 10.0)
 
 
 def against_plain(run: dict, before: dict, after: dict) -> dict:
-    """``run`` with the plain pairs that ran just before and after it, and its efficiency against their mean."""
+    """``run`` with the plain pairs that ran just before and after it, and its efficiency against their mean.
+
+    Where the run has a ``time_split``, it gains the plain loops' own micro-step (``plain_step_s``), so that the
+    efficiency reads as (plain step / peer's step) x (1 - extra per epoch / epoch)."""
     run["plain_around"] = [before["samples_per_second"], after["samples_per_second"]]
-    run["efficiency"] = ratio(run["samples_per_second"], sum(run["plain_around"]) / 2)
+    plain = sum(run["plain_around"]) / 2
+    run["efficiency"] = ratio(run["samples_per_second"], plain)
+    if run.get("time_split"):
+        run["time_split"]["plain_step_s"] = PAIR * run["time_split"]["samples_per_step"] / plain
     return run
 
 
@@ -64,7 +73,7 @@ def plain_pair(seconds: float, log_dir: Path, tag: str, flags: Sequence[str] = (
     """Total samples/s of two plain PyTorch + Lamb loops, one thread each, side by side, and the cores they used.
 
     ``flags`` go to ``bench.plain throughput`` (``--device cuda --fp16`` for the GPU figures)."""
-    outs = [log_dir / f"plain_{tag}_{i}.json" for i in range(2)]
+    outs = [log_dir / f"plain_{tag}_{i}.json" for i in range(PAIR)]
     with children() as started:
         for i, out in enumerate(outs):
             started.append(
@@ -106,10 +115,10 @@ def collab_pair(
     Stops after ``seconds`` of steady state, or when both reach ``max_steps`` (then their saved models are kept).
     """
     prefix = f"bench_{name}_{int(time.time())}"
-    steps = [log_dir / f"{name}_{i}.steps.jsonl" for i in range(2)]
+    steps = [log_dir / f"{name}_{i}.steps.jsonl" for i in range(PAIR)]
     for path in steps:
         path.unlink(missing_ok=True)
-    outputs = [log_dir / f"{name}_{i}_model" for i in range(2)]
+    outputs = [log_dir / f"{name}_{i}_model" for i in range(PAIR)]
     common = ["--experiment_prefix", prefix, *flags] + (["--max_steps", max_steps] if max_steps else [])
     with children() as started:
         first = Child(
@@ -154,6 +163,7 @@ def collab_pair(
     rounds = [len(re.findall(r"Averaged gradients with (\d+) peers", child.log())) for child in started]
     return {
         "samples_per_second": total_samples_per_second(peers_steps, 1),
+        "time_split": time_split(peers_steps, 1),
         "window_s": window and window[1] - window[0],
         "averaging_rounds": rounds,
         "cpu": window and sampler.cores_between(*window),

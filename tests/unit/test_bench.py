@@ -19,6 +19,7 @@ from bench.formulas import (
     round_times,
     steady_window,
     summary_json,
+    time_split,
     total_samples_per_second,
     transfer_bound_s,
 )
@@ -60,6 +61,29 @@ def test_no_window_when_a_peer_never_warms_up_or_is_missing():
     assert steady_window([[(0.0, 16, 0)], [(0.5, 16, 0)]], 1) is None
     assert steady_window([[(0.0, 16, 0)], []], 1) is None
     assert total_samples_per_second([], 1) is None
+
+
+def _peer(step: float, boundary: float, epochs: int, per_epoch: int, start: float = 0.0) -> list:
+    """Steps of a peer whose micro-step takes ``step`` s, and the first step of each epoch ``boundary`` s more."""
+    steps, t = [], start
+    for epoch in range(epochs):
+        for index in range(per_epoch):
+            t += step + (boundary if index == 0 and epoch else 0.0)
+            steps.append((t, 16, epoch))
+    return steps
+
+
+def test_time_split_separates_the_micro_step_from_what_each_epoch_boundary_adds():
+    a = _peer(0.25, 0.5, epochs=6, per_epoch=10)
+    b = _peer(0.30, 0.1, epochs=6, per_epoch=10, start=0.05)
+    split = time_split([a, b], 1)
+    assert split["step_s"] == pytest.approx((0.25 + 0.30) / 2)
+    assert split["extra_s_per_epoch"] == pytest.approx((0.5 + 0.1) / 2)
+    assert split["epoch_s"] == pytest.approx((10 * 0.25 + 0.5 + 10 * 0.30 + 0.1) / 2)  # whole epochs only
+    assert split["samples_per_step"] == 16
+    # with no boundary cost, the epoch factor is 1 and the peer's efficiency is its step's alone
+    assert time_split([_peer(0.25, 0.0, 4, 10), _peer(0.25, 0.0, 4, 10)], 1)["extra_s_per_epoch"] == pytest.approx(0)
+    assert time_split([a[:25], b[:25]], 1) is None  # the window holds no whole epoch
 
 
 def test_round_lasts_from_the_last_trigger_to_the_last_finish():
@@ -109,13 +133,14 @@ def _run(sps: float, around: list[float], **extra) -> dict:
 
 
 def test_report_shows_each_run_against_the_plain_pairs_around_it():
+    split = {"step_s": 0.4, "plain_step_s": 0.36, "extra_s_per_epoch": 1.0, "epoch_s": 10.0, "samples_per_step": 16}
     training = {
         "plain_samples_per_second": [100.0, 80.0, 90.0],
         "plain_cpu": [{kind: 1.0 for kind in KINDS}, None, {kind: 0.5 for kind in KINDS}],
         "default_target": 1024,
         "anchor": _run(72.0, [80.0, 90.0]),
         "variants": [_run(85.0, [80.0, 90.0], setting="average_state_every 2")],
-        "sweep": [_run(90.0, [100.0, 80.0], target_batch_size=1024)],
+        "sweep": [_run(90.0, [100.0, 80.0], target_batch_size=1024, time_split=split)],
         "parity": {"steps": 8, "collab_losses": [7.0, 7.0], "reference_loss": 7.0, "ratio": 1.0},
     }
     header = {"date": "2026-11-24", "command": "make bench", "wall_min": 1.0, "machine": "test"}
@@ -125,11 +150,18 @@ def test_report_shows_each_run_against_the_plain_pairs_around_it():
     assert "| 1024 (seed anchor) | 72.00 | 80.0 / 90.0 | 0.85 |" in text
     assert "| average_state_every 2 | 85.00 | 80.0 / 90.0 | 1.00 | 4/4 |" in text
     assert "| plain loops (mean of 2 pairs) | " + " | ".join(["0.75"] * len(KINDS)) in text
+    # step factor 0.36 / 0.4, epoch factor 1 - 1 / 10; runs without a split (the anchor here) have no row
+    assert "| target_batch_size 1024 | 0.400 | 0.360 | 0.90 | 1.00 | 10.00 | 0.90 | 0.81 | 1.00 |" in text
+    assert "| seed anchor | 0." not in text
 
 
 def test_a_run_is_divided_by_the_mean_of_the_plain_pairs_around_it():
-    run = against_plain({"samples_per_second": 90.0}, {"samples_per_second": 100.0}, {"samples_per_second": 80.0})
+    after = {"samples_per_second": 80.0}
+    run = against_plain({"samples_per_second": 90.0}, {"samples_per_second": 100.0}, after)
     assert run["plain_around"] == [100.0, 80.0] and run["efficiency"] == pytest.approx(1.0)
+    split = {"step_s": 0.3, "extra_s_per_epoch": 0.5, "epoch_s": 10.0, "samples_per_step": 16}
+    timed = against_plain({"samples_per_second": 90.0, "time_split": split}, {"samples_per_second": 100.0}, after)
+    assert timed["time_split"]["plain_step_s"] == pytest.approx(2 * 16 / 90.0)  # each of two loops at 45 samples/s
     missing = against_plain({"samples_per_second": None}, {"samples_per_second": 100.0}, {"samples_per_second": 80.0})
     assert missing["efficiency"] is None  # a collaborative run that never reached steady state has no efficiency
 
