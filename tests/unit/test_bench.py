@@ -26,7 +26,7 @@ from bench.formulas import (
 from bench.netpeer import model_like_shapes
 from bench.plain import throughput
 from bench.records import synthetic_records
-from bench.training import against_plain
+from bench.training import against_plain, explain
 from collab.schema import parse_metrics
 
 
@@ -162,8 +162,13 @@ def test_a_run_is_divided_by_the_mean_of_the_plain_pairs_around_it():
     split = {"step_s": 0.3, "extra_s_per_epoch": 0.5, "epoch_s": 10.0, "samples_per_step": 16}
     timed = against_plain({"samples_per_second": 90.0, "time_split": split}, {"samples_per_second": 100.0}, after)
     assert timed["time_split"]["plain_step_s"] == pytest.approx(2 * 16 / 90.0)  # each of two loops at 45 samples/s
+    assert explain(timed) == (
+        "efficiency 1.00: a micro-step takes 0.300 s against the plain loops' 0.356 s, and each 10.0 s epoch adds "
+        "0.50 s at its boundary"
+    )
     missing = against_plain({"samples_per_second": None}, {"samples_per_second": 100.0}, {"samples_per_second": 80.0})
     assert missing["efficiency"] is None  # a collaborative run that never reached steady state has no efficiency
+    assert explain(missing) == "no steady window (see the peers' logs)"
 
 
 def test_gpu_target_batch_is_a_power_of_two_lasting_the_epoch():
