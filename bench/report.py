@@ -345,24 +345,26 @@ plain-loop pairs gave 116.3 to 122.6 samples/s, so a throughput ratio here carri
   with `python -m bench.training --seconds 60` on the same host the same day, the default gave 0.957 and 0.964.
   Earlier full runs: 0.91 / 0.94 (the previous report, same host type), 0.96 / 0.97 and 0.95 / 0.95 (other hosts).
   So the default sits at the 0.95 goal, not clearly above it.
-- **Where the last 4 to 6 % goes** (section "Where the time went", new in this run): at 1024, a peer's micro-step
-  takes 0.273 s between epoch boundaries against the plain loops' 0.263 (step factor 0.96), and each 9.0 s epoch adds
-  0.16 s at its boundary (epoch factor 0.98). Nothing waits: the peer's loop never blocks on hivemind (py-spy over a
-  whole peer, idle threads included: its main thread was never idle, in forward or backward in 97 % of the samples
-  and in hivemind's code in 0.4 %; `hivemind.Optimizer.step` takes 0.55 ms against the plain loop's Lamb step of 4.4
-  ms, timed on one core). Both factors are CPU shared with the work that collaborating needs, on a machine where the
-  two training loops already take both cores: hivemind's DHT process, two averager processes and p2pd run at about
-  0.03 cores per peer all the time (per-thread `/proc` sampling: DHT 0.009, p2pd 0.008, each averager 0.005), which
-  is the 3 % of the step factor; the gradient round, the background Lamb step and the parameter round take the 0.16 s
-  at each boundary. On a GPU peer, or any machine with a core to spare, that work runs beside the loop instead of
-  inside its time slice. The previous report's slow stretches of 0.33-0.50 s steps after each boundary did not come
-  back in four runs on this host (a boundary now costs one or two slower steps). A profiler makes such stretches
-  itself: py-spy in its default blocking mode, sampling a peer's whole process tree at 50 Hz, stretched that peer's
-  steps to 0.33-0.59 s while it ran (use `--nonblocking`).
+- **Where the last 4 to 6 % goes** (section "Where the time went", new in this run): at 1024, a peer's micro-step takes
+  0.273 s between epoch boundaries against the plain loops' 0.263 (step factor 0.96), and each 9.0 s epoch adds 0.16 s
+  at its boundary (epoch factor 0.98). Nothing waits: the peer's loop never blocks on hivemind (py-spy over a whole
+  peer, idle threads included: its main thread was never idle, in forward or backward in 97 % of the samples and in
+  hivemind's code in 0.4 %; `hivemind.Optimizer.step` takes 0.55 ms against the plain loop's Lamb step of 4.4 ms, timed
+  on one core). Both factors are CPU shared with the work that collaborating needs, on a machine where the two training
+  loops already take both cores: hivemind's DHT process, two averager processes and p2pd take about 0.03 cores per peer
+  through each epoch (per-thread `/proc` sampling: DHT 0.009, p2pd 0.008, each averager 0.005), which is the 3 % of the
+  step factor. That is averaging work (matching groups ahead of the epoch's end, the rounds, the DHT traffic they
+  make), not idle polling: with a target_batch_size no pair reaches, the same processes take 0.005 cores per peer. And
+  the gradient round, the background Lamb step and the parameter round take the 0.16 s at each boundary. On a GPU peer,
+  or any machine with a core to spare, that work runs beside the loop instead of inside its time slice. The previous
+  report's slow stretches of 0.33-0.50 s steps after each boundary did not come back in four runs on this host (a
+  boundary now costs one or two slower steps). A profiler makes such stretches itself: py-spy in its default blocking
+  mode, sampling a peer's whole process tree at 50 Hz, stretched that peer's steps to 0.33-0.59 s while it ran (use
+  `--nonblocking`).
 - **Tried against the background** (each with `python -m bench.training --seconds 60`): quieter progress tracking
   (`--progress_report_period 5 --expected_drift_peers 1 --min_refresh_period 1`) left the background where it was
-  (hivemind processes 0.038 and p2pd 0.014 cores, against 0.037-0.039 and 0.015-0.017 at the defaults) and gave
-  0.96, so the defaults stay: the DHT's traffic is not what those processes spend their time on.
+  (hivemind processes 0.038 and p2pd 0.014 cores, against 0.037-0.039 and 0.015-0.017 at the defaults) and gave 0.96,
+  so the defaults stay: progress reads and reports are not what those processes spend their time on.
 - **Subnormal floats** (since the committed report): CPU peers and the plain loops compute subnormals as zeros
   (`trainer.loop.flush_denormals`). On the host where it was found, the default model's micro-batch took 0.36 to
   0.50 s instead of 0.22 after about 30 Lamb steps, and 0.22-0.23 with the flag. On this host the models saved by
