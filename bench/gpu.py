@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.formulas import epoch_target_batch_size
-from bench.training import against_plain, collab_pair, plain_pair, plain_seconds
+from bench.training import PAIR, against_plain, collab_pair, plain_pair, plain_seconds
 
 GPU_EPOCH_SECONDS = 9.0  # an epoch of the CPU default (1024 samples at about 116 samples/s for the pair)
 
@@ -45,8 +45,8 @@ def gpu_efficiency(seconds: float, log_dir: Path, progress, device: str = "cuda"
     return {
         "device": name,
         "target_batch_size": target,
-        "per_peer_samples_per_second": collab and collab / 2,
-        "plain_per_loop": [total / 2 for total in run["plain_around"]],
+        "per_peer_samples_per_second": collab and collab / PAIR,
+        "plain_per_loop": [total / PAIR for total in run["plain_around"]],
         "efficiency": run["efficiency"],
         "averaging_rounds": run["averaging_rounds"],
         "window_s": run["window_s"],
