@@ -40,7 +40,6 @@ SEED_FLAGS = [
 
 # Settings tried against the defaults, each alone, between the same two plain-loop pairs as the default's run.
 VARIANTS = {
-    "average_state_every 2": ["--average_state_every", "2"],
     "average_state_every 4": ["--average_state_every", "4"],
     "matchmaking_time 1": ["--matchmaking_time", "1"],
     "no delayed step or averaging": ["--delay_optimizer_step", "false", "--delay_grad_averaging", "false"],
