@@ -139,8 +139,8 @@ class OptimizerArguments:
     """The collaboration's global step: when it happens and how gradients and state travel."""
 
     # 1024: on two CPU peers an epoch of the tiny model then lasts 8 to 10 s, long enough to hide matchmaking and
-    # averaging. Against two plain loops, over four full benchmark runs: 0.39-0.74 at 256 (epochs stretched to
-    # matchmaking_time and beyond), 0.91-0.96 at 1024, 0.96-0.98 at 2048 (docs/BENCHMARKS.md).
+    # averaging. Against two plain loops, over five full benchmark runs: 0.39-0.76 at 256 (epochs stretched to
+    # matchmaking_time and beyond), 0.91-0.96 at 1024, 0.96-0.99 at 2048 (docs/BENCHMARKS.md).
     target_batch_size: int = field(
         default=1024,
         metadata={

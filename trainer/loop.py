@@ -58,7 +58,7 @@ def short_epoch_warning(epoch_seconds: list[float], matchmaking_time: float) -> 
     so each one starts looking for its group when its epoch ends and takes at least ``matchmaking_time``: epochs
     whose compute is shorter are stretched to about that. Shorter still, an averager is still matching one round when
     the next is due, rounds pair up across epochs and each mismatched part waits ``next_chunk_timeout``
-    (docs/BENCHMARKS.md, target_batch_size 256: 0.39 to 0.74 of the plain loops' throughput, 0.91 to 0.96 at 1024)."""
+    (docs/BENCHMARKS.md, target_batch_size 256: 0.39 to 0.76 of the plain loops' throughput, 0.91 to 0.96 at 1024)."""
     if len(epoch_seconds) < SHORT_EPOCH_WINDOW:
         return None
     typical = statistics.median(epoch_seconds[-SHORT_EPOCH_WINDOW:])
