@@ -196,7 +196,8 @@ class OptimizerArguments:
         metadata={"help": "Average gradients in the background (needs delay_optimizer_step)"},
     )
     # 2, not the seed's 1: every peer applies the same averaged gradients, so parameters only drift apart when a peer
-    # misses a gradient round or rolls back, and a parameter round every second epoch still brings it back within two.
+    # misses a gradient round, and a parameter round every second epoch brings it back within two
+    # (tests/integration/test_parameter_rounds.py).
     # Each parameter round moves as many bytes as a gradient round, so this cuts a peer's traffic by a quarter; on two
     # CPU peers it took 0.014 cores of background off the training loops and gave 0.948 -> 0.958 efficiency (three
     # alternating pairs of runs, each one better; docs/BENCHMARKS.md).

@@ -341,20 +341,22 @@ plain-loop pairs gave 120.7 to 124.5 samples/s, so a throughput ratio here carri
 
 - **collab_efficiency 0.961 at the defaults (target_batch_size 1024, average_state_every 2), anchor 0.950, 0.99 at
   2048.** The anchor is now a different configuration: it spells out the seed's settings, and those differ from our
-  defaults only in averaging parameters every epoch. Before the default moved to 2, the two measured one
-  configuration twice (0.949 and 0.934 in the previous full run; 0.957 and 0.964 alone). The change was measured
-  before it was made, in three alternating pairs of `python -m bench.training --seconds 60` runs (defaults, then
-  `--average_state_every 2`, three times, one session): 0.942 / 0.948, 0.948 / 0.959, 0.954 / 0.969. Every pair
-  favoured 2 (by 0.006, 0.011 and 0.015), and the background fell from 0.053-0.063 to 0.042-0.049 cores (hivemind
-  processes and p2pd of both peers). The reliability suite (`tests/integration/test_collaboration.py` and
-  `test_partition.py`: a rollback, a late peer, a killed and restarted peer, peers agreeing within fp16 tolerance at
-  the end) passes with it.
+  defaults only in averaging parameters every epoch. Before the default moved to 2, the two measured one configuration
+  twice (0.949 and 0.934 in the previous full run; 0.957 and 0.964 alone). The change was measured before it was made,
+  in three alternating pairs of `python -m bench.training --seconds 60` runs (defaults, then `--average_state_every
+  2`, three times, one session): 0.942 / 0.948, 0.948 / 0.959, 0.954 / 0.969. Every pair favoured 2 (by 0.006, 0.011
+  and 0.015), and the background fell from 0.053-0.063 to 0.042-0.049 cores (hivemind processes and p2pd of both
+  peers). The reliability suite (`tests/integration/test_collaboration.py` and `test_partition.py`) passes with it,
+  but it also passes with parameter rounds off (`--average_state_every 1000`): its peers never drift (a rolled-back
+  peer downloads the state). So a new test drifts one peer's LayerNorm weight by 0.1 and checks that the next
+  parameter rounds bring the two peers back (`test_parameter_rounds.py`): at 2 they end identical, three runs out of
+  three; with parameter rounds off they end 0.117 apart and the test fails.
 - **Why 2 and not more.** Every peer applies the same averaged gradients, so parameters only drift apart when a peer
-  misses a gradient round or rolls back, and the next parameter round brings it back; at 2 that is within two epochs.
-  A parameter round moves as many bytes as a gradient round, so 2 sends a quarter less per epoch than 1, and 4 three
-  eighths less. average_state_every 4 measured 0.98 in this run (0.96 in the previous one), within this run's noise of
-  the default, while a peer that drifted would stay apart up to four epochs; operators on slow links can raise it, and
-  peers that often drop rounds are better at 1.
+  misses a gradient round, and the next parameter round brings it back; at 2 that is within two epochs. A parameter
+  round moves as many bytes as a gradient round, so 2 sends a quarter less per epoch than 1, and 4 three eighths less.
+  average_state_every 4 measured 0.98 in this run (0.96 in the previous one), within this run's noise of the default,
+  while a peer that drifted would stay apart up to four epochs; operators on slow links can raise it, and peers that
+  often drop rounds are better at 1.
 - **Where the last 4 % goes** (section "Where the time went"): at 1024 a peer's micro-step takes 0.267 s between epoch
   boundaries against the plain loops' 0.261 (step factor 0.98), and each 8.8 s epoch adds 0.16 s at its boundary
   (epoch factor 0.98). Nothing waits: the peer's loop never blocks on hivemind (py-spy over a whole peer, idle threads

@@ -1,11 +1,14 @@
 """Test-only fault injection, driven by the ``COLLAB_TEST_FAULTS`` environment variable; off and free otherwise.
 
-``COLLAB_TEST_FAULTS="nan_loss@3,nan_parameters@5,pause_checkpoint_write@2=60"``
+``COLLAB_TEST_FAULTS="nan_loss@3,nan_parameters@5,drift_parameters@4,pause_checkpoint_write@2=60"``
 
 - ``nan_loss@E``: the first forward pass in global epoch E returns a NaN loss (so NaN gradients): the loop must
   drop that mini-batch before it reaches an averaging round.
 - ``nan_parameters@E``: after the first optimizer step in global epoch E one parameter is filled with NaN (a bad
   step): the callback must roll back to its in-memory backup.
+- ``drift_parameters@E``: after the first optimizer step in global epoch E, DRIFT is added to one LayerNorm weight
+  (what a missed gradient round leaves behind: finite, same epoch, different parameters): the next parameter round
+  (``--average_state_every``) must bring the peers back into agreement.
 - ``pause_checkpoint_write@N=S``: the N-th checkpoint write of the process stops S seconds after the weights,
   before the manifest, so a test can kill the monitor in the middle of a save.
 
@@ -24,6 +27,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENVIRONMENT_VARIABLE = "COLLAB_TEST_FAULTS"
+EPOCH_FAULTS = ("nan_loss", "nan_parameters", "drift_parameters")  # the faults written NAME@EPOCH
+DRIFT = 0.1  # added by drift_parameters; the peers' LayerNorm weights start at 1.0
 
 
 @dataclass
@@ -50,7 +55,7 @@ def parse_faults(spec: str) -> Faults:
         name, _, when = item.partition("@")
         number, eq, seconds = when.partition("=")
         try:
-            if name in ("nan_loss", "nan_parameters") and not eq:
+            if name in EPOCH_FAULTS and not eq:
                 faults.at_epoch[name] = int(when)
             elif name == "pause_checkpoint_write" and eq:
                 faults.pause_write_number, faults.pause_seconds = int(number), float(seconds)
@@ -89,6 +94,23 @@ def install_training_faults(model: torch.nn.Module, optimizer, callback) -> None
         if FAULTS.fire("nan_parameters", optimizer.local_epoch):
             with torch.no_grad():
                 next(model.parameters()).fill_(float("nan"))
+        if FAULTS.fire("drift_parameters", optimizer.local_epoch):
+            logger.warning("Test fault: %s drifted by %g", drift_parameters(model, optimizer), DRIFT)
         return on_step_end(*args, **kwargs)
 
     callback.on_step_end = poison_parameters_then_step_end
+
+
+@torch.no_grad()
+def drift_parameters(model: torch.nn.Module, optimizer) -> str:
+    """Add DRIFT to the model's first LayerNorm weight and to the optimizer's copy of it (the one hivemind averages
+    and steps when the optimizer is offloaded); returns the parameter's name."""
+    optimizer.state_averager.step(wait_for_delayed_updates=True)  # no background step may overwrite it meanwhile
+    name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("LayerNorm.weight"))
+    main = [p for group in optimizer.param_groups for p in group["params"]]
+    optimized = [p for group in optimizer.opt.param_groups for p in group["params"]]
+    copy = optimized[next(i for i, p in enumerate(main) if p is param)]
+    param.add_(DRIFT)
+    if copy is not param:
+        copy.add_(DRIFT)
+    return name

@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
 AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
+EPOCH_REPORT = re.compile(r"epoch (\d+) \| loss")  # trainer.loop.format_report's line at each global epoch
 
 
 def free_port() -> int:
@@ -85,6 +86,11 @@ class LocalProcess:
     def averaging_group_sizes(self) -> list[int]:
         """Group size of every successful gradient-averaging round, from hivemind's own log lines."""
         return [int(size) for size in AVERAGED.findall(self.log())]
+
+    def latest_epoch(self) -> int:
+        """The last global epoch this peer reported, -1 before its first."""
+        epochs = EPOCH_REPORT.findall(self.log())
+        return int(epochs[-1]) if epochs else -1
 
     def wait(self, timeout: float) -> int:
         try:

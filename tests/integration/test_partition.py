@@ -9,7 +9,6 @@ available.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import time
@@ -72,11 +71,6 @@ def two_hosts():
             ip("netns", "del", name)
 
 
-def latest_epoch(log: str) -> int:
-    epochs = re.findall(r"epoch (\d+) \| loss", log)
-    return int(epochs[-1]) if epochs else -1
-
-
 def rounds_since(log: str, offset: int) -> int:
     return log[offset:].count("Averaged gradients with 2 peers")
 
@@ -104,22 +98,22 @@ def test_partitioned_peers_keep_training_and_converge_after_rejoining(two_hosts,
             180,
             "the two peers to average together",
         )
-        before = [latest_epoch(p.log()) for p in peers]
+        before = [p.latest_epoch() for p in peers]
 
         assert ip("-n", names["A"], "link", "set", links["A"], "down").returncode == 0
         cut_at = time.monotonic()
         wait_until(
-            lambda: all(latest_epoch(p.log()) >= e + 2 for p, e in zip(peers, before, strict=True)),
+            lambda: all(p.latest_epoch() >= e + 2 for p, e in zip(peers, before, strict=True)),
             CUT_SECONDS + 60,
             "both sides to keep training while cut apart",
         )
         wait_until(lambda: time.monotonic() - cut_at >= CUT_SECONDS, CUT_SECONDS + 5, "the end of the cut", poll=1)
-        during = [latest_epoch(p.log()) for p in peers]
+        during = [p.latest_epoch() for p in peers]
         offsets = [len(p.log()) for p in peers]  # only rounds after the rejoin count
         assert ip("-n", names["A"], "link", "set", links["A"], "up").returncode == 0
 
         def converged() -> bool:
-            epochs = [latest_epoch(p.log()) for p in peers]
+            epochs = [p.latest_epoch() for p in peers]
             return epochs[0] == epochs[1] and all(
                 rounds_since(p.log(), o) >= 2 for p, o in zip(peers, offsets, strict=True)
             )

@@ -6,8 +6,8 @@ from collab.faults import parse_faults
 
 
 def test_spec_is_parsed_and_each_fault_fires_once():
-    faults = parse_faults("nan_loss@3, nan_parameters@5,pause_checkpoint_write@2=2.5")
-    assert faults.at_epoch == {"nan_loss": 3, "nan_parameters": 5}
+    faults = parse_faults("nan_loss@3, nan_parameters@5,drift_parameters@4,pause_checkpoint_write@2=2.5")
+    assert faults.at_epoch == {"nan_loss": 3, "nan_parameters": 5, "drift_parameters": 4}
     assert (faults.pause_write_number, faults.pause_seconds) == (2, 2.5)
     assert [faults.fire("nan_loss", epoch) for epoch in (1, 2, 3, 4)] == [False, False, True, False]
     assert not faults.fire("nan_parameters", 4) and faults.fire("nan_parameters", 9)
