@@ -29,7 +29,6 @@ import pytest
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
-from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
 
 from arguments import PeerArguments
@@ -37,6 +36,7 @@ from collab.checkpoint import list_checkpoints
 from collab.dht import start_dht
 from collab.schema import LocalMetrics, make_validators, metrics_key, read_metrics
 from tests.conftest import RecordingServer, serve_recording
+from tests.integration.agreement import assert_parameters_agree, saved_parameters
 from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -284,17 +284,11 @@ def test_parameters_agree_within_fp16_tolerance(collaboration):
     # A and C2 stop together after averaging together; B stops earlier (its max_steps), and with delayed optimizer
     # steps a departing peer may or may not hold the last update, about one Lamb step (~1%) apart: B is checked
     # for finiteness only.
-    a, b, c2 = (load_file(str(collaboration.output / name / "model.safetensors")) for name in ("A", "B", "C2"))
+    a, b, c2 = (saved_parameters(collaboration.output / name) for name in ("A", "B", "C2"))
     assert a.keys() == b.keys() == c2.keys()
     for name in a:
         assert all(torch.isfinite(p[name]).all() for p in (a, b, c2)), f"{name} is not finite"
-        torch.testing.assert_close(
-            c2[name],
-            a[name],
-            atol=3e-3,
-            rtol=1e-2,
-            msg=lambda detail, name=name: f"A and C2 differ in {name}: {detail}",
-        )
+    assert_parameters_agree(a, c2, "A and C2")
     initial = initial_parameters()
     moved = max((a[name] - initial[name]).abs().max().item() for name in a)
     assert moved > 0.01, "parameters barely moved: the peers did not train"
@@ -395,16 +389,9 @@ def test_checkpoint_matches_the_peers_parameters_and_loads(collaboration):
     folder, manifest = valid[-1]
     assert manifest.step >= MAX_STEPS and manifest.peers >= 1
     model = AutoModelForMaskedLM.from_pretrained(folder)
-    final_a = load_file(str(collaboration.output / "A" / "model.safetensors"))
-    for name, tensor in model.state_dict().items():
-        if name in final_a:
-            torch.testing.assert_close(
-                tensor,
-                final_a[name],
-                atol=3e-3,
-                rtol=1e-2,
-                msg=lambda detail, name=name: f"{name} differs from A's: {detail}",
-            )
+    final_a = saved_parameters(collaboration.output / "A")
+    checkpoint = {name: tensor for name, tensor in model.state_dict().items() if name in final_a}
+    assert_parameters_agree({name: final_a[name] for name in checkpoint}, checkpoint, "A and the checkpoint")
 
 
 def test_checkpoint_uploaded_after_a_refusal(collaboration):

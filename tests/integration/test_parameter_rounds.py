@@ -12,11 +12,10 @@ import signal
 import time
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from arguments import OptimizerArguments
 from collab.faults import DRIFT
+from tests.integration.agreement import assert_parameters_agree, saved_parameters
 from trainer.local import PeerProcess, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -58,13 +57,10 @@ def test_a_drifted_peer_agrees_again_after_the_next_parameter_round(tmp_path, sa
     assert codes == [0, 0]
 
     drifted = re.search(r"Test fault: (\S+) drifted by", a.log()).group(1)
-    a_state, b_state = (load_file(str(tmp_path / name / "model.safetensors")) for name in "AB")
     # fp16 averaging's rounding apart at most: far below DRIFT
-    for name in a_state:
-        torch.testing.assert_close(
-            a_state[name],
-            b_state[name],
-            atol=3e-3,
-            rtol=1e-2,
-            msg=lambda detail, name=name: f"A and B differ in {name} (A drifted {drifted} by {DRIFT}): {detail}",
-        )
+    assert_parameters_agree(
+        saved_parameters(tmp_path / "A"),
+        saved_parameters(tmp_path / "B"),
+        "A and B",
+        f" (A drifted {drifted} by {DRIFT})",
+    )
