@@ -191,12 +191,15 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
     then apply what finished.
 
     The optimizer step comes first in the background update, so it is kept even when the averaging round hangs
-    because the partner already left (hivemind would otherwise wait the whole ``averaging_timeout``).
+    because the partner already left (hivemind would otherwise wait the whole ``averaging_timeout``). An update still
+    running is forgotten, or ``hivemind.Optimizer.shutdown`` would wait for it again, up to ``averaging_timeout``
+    more, and a peer stopped by SIGTERM would pass its shutdown deadline without saving its model.
     """
     averager = optimizer.state_averager
     done, pending = concurrent.futures.wait(list(averager.pending_updates), timeout=timeout)
     if pending:
         logger.info("Leaving without the last background averaging round (no answer in %.0f s)", timeout)
+        averager.pending_updates = set(done)
     averager.step(wait_for_delayed_updates=False, apply_delayed_updates=True)
 
 

@@ -1,5 +1,7 @@
 """The optimizer definition: parameter groups, schedule, local batch size."""
 
+import threading
+
 import hivemind
 import pytest
 import torch
@@ -17,6 +19,7 @@ from arguments import (
 from collab.optim import (
     EIGHT_BIT_MIN_VALUES,
     build_optimizer,
+    finish_delayed_updates,
     gradient_compression,
     lamb_factory,
     local_batch_size,
@@ -155,6 +158,35 @@ def test_hivemind_optimizer_starts_lamb_from_the_initial_weights():
         finally:
             optimizer.shutdown()
     finally:
+        dht.shutdown()
+
+
+def test_a_departing_peer_does_not_wait_twice_for_a_hung_background_round():
+    """SIGTERM's path: finish_delayed_updates gives up on a round that never answers, and hivemind's shutdown must
+    not wait for it again (up to averaging_timeout, 60 s), or the peer passes its deadline without saving."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    release = threading.Event()
+    try:
+        optimizer = build_optimizer(
+            model,
+            dht,
+            PeerArguments(experiment_prefix="hung_round"),
+            OptimizerArguments(),
+            AveragerArguments(),
+            ProgressTrackerArguments(),
+            TrainingArguments(),
+        )
+        averager = optimizer.state_averager
+        # a background update stuck in its averaging round, as when the partner left mid-round
+        averager.pending_updates.add(averager.step_executor.submit(release.wait))
+        finish_delayed_updates(optimizer, timeout=0.2)
+        shutdown = threading.Thread(target=optimizer.shutdown, daemon=True)
+        shutdown.start()
+        shutdown.join(timeout=20)
+        assert not shutdown.is_alive(), "hivemind's shutdown waited for the round finish_delayed_updates gave up on"
+    finally:
+        release.set()
         dht.shutdown()
 
 
