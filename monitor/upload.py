@@ -126,14 +126,18 @@ class Uploader:
             self.upload_latest()
 
     def upload_latest(self) -> bool:
-        """Upload the newest checkpoint if it is new; True when one was uploaded."""
-        found = latest_checkpoint(self.repo_path)
-        if found is None or found[1].step == self.last_uploaded_step:
-            return False
-        folder, manifest = found
+        """Upload the newest checkpoint if it is new; True when one was uploaded.
+
+        Each retry looks for the newest checkpoint again: the monitor keeps only ``--keep_checkpoints`` of them, so
+        during the backoff the one that failed may have been replaced and removed."""
+        manifest = None
         for attempt, delay in enumerate([0.0, *self.delays]):
             if delay and self._stop.wait(delay):
                 return False
+            found = latest_checkpoint(self.repo_path)
+            if found is None or found[1].step == self.last_uploaded_step:
+                return False
+            folder, manifest = found
             try:
                 self.target.upload(folder, manifest)
             except Exception as e:
