@@ -391,6 +391,7 @@ def test_checkpoint_matches_the_peers_parameters_and_loads(collaboration):
     model = AutoModelForMaskedLM.from_pretrained(folder)
     final_a = saved_parameters(collaboration.output / "A")
     checkpoint = {name: tensor for name, tensor in model.state_dict().items() if name in final_a}
+    assert checkpoint, "the checkpoint and A's saved model share no tensor names"
     assert_parameters_agree({name: final_a[name] for name in checkpoint}, checkpoint, "A and the checkpoint")
 
 

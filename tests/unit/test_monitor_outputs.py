@@ -106,16 +106,17 @@ def test_upload_gives_up_after_its_retries_and_tries_again_later(recording_serve
 def test_a_retry_uploads_the_newest_checkpoint_when_the_failed_one_was_removed(recording_server, tmp_path):
     """The monitor keeps --keep_checkpoints: while an upload waits to retry, a newer checkpoint can replace the one
     that failed. The retry uploads the newer one instead of failing on a folder that is gone."""
-    repo = tmp_path / "repo"
+    repo, staging = tmp_path / "repo", tmp_path / "staging"
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
     write_checkpoint(repo, 4, model, None, {"optimizer": None}, loss=3.5, peers=2)
+    write_checkpoint(staging, 6, model, None, {"optimizer": None}, loss=3.0, peers=2)  # the newer one, ready to move
     recording_server.statuses = [503]
     uploader = Uploader(str(repo), HttpTarget(recording_server.url, None), 3600, retries=1, first_delay=3.0)
     result = {}
     upload = threading.Thread(target=lambda: result.update(uploaded=uploader.upload_latest()))
     upload.start()
     wait_until(lambda: recording_server.refused, 30, "the first upload to be refused", poll=0.05)
-    write_checkpoint(repo, 6, model, None, {"optimizer": None}, loss=3.0, peers=2)  # during the 3 s backoff
+    (staging / "6").rename(repo / "6")  # the rotation, well inside the 3 s backoff: a rename and a removal
     shutil.rmtree(repo / "4")
     upload.join(timeout=30)
     assert result == {"uploaded": True} and uploader.last_uploaded_step == 6
