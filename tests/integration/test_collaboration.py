@@ -42,9 +42,12 @@ from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 MAX_STEPS = 22
+# Epochs of 3-4 s. At 128 samples they lasted 2-3 s, under the 2x matchmaking_time the trainer warns about: rounds
+# overlapped ("Another look_for_group is already in progress" 23-46 times a run against 0-6 at 256), parameter
+# rounds stalled a loop for 5-8 s, the peer fell out of sync and missed rounds (A averaged only 14 times once in CI).
 FAST = [
     "--target_batch_size",
-    "128",
+    "256",
     "--matchmaking_time",
     "2",
     "--averaging_timeout",
