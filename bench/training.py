@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import sys
 import time
@@ -19,8 +18,8 @@ from pathlib import Path
 from bench.cpu import CpuSampler
 from bench.formulas import ratio, steady_window, time_split, total_samples_per_second
 from bench.procs import ONE_THREAD, Child, children, read_json, read_json_lines, wait_for
+from trainer.local import AVERAGED, JOIN_LINE
 
-JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
 # The seed's hivemind.Optimizer settings, spelled out so the anchor stays put when our defaults move.
 SEED_FLAGS = [
     "--offload_optimizer",
@@ -159,7 +158,7 @@ def collab_pair(
             sampler.stop()
     peers_steps = records()
     window = steady_window(peers_steps, 1)
-    rounds = [len(re.findall(r"Averaged gradients with (\d+) peers", child.log())) for child in started]
+    rounds = [len(AVERAGED.findall(child.log())) for child in started]
     return {
         "samples_per_second": total_samples_per_second(peers_steps, 1),
         "time_split": time_split(peers_steps, 1),
