@@ -50,6 +50,18 @@ started it is alive, and otherwise ends itself (the DHT's p2pd first).
 one-element array, which numpy 2 refuses (TypeError), so every 8-bit part a peer received broke its round. We read
 that one value by index.
 
+Averaging rounds that miss their epoch's group and wait for a later epoch's. hivemind gives a round
+``averaging_timeout`` (60 s by default) to find a group and retries matchmaking until then, so a round that missed its
+epoch's group keeps looking until another epoch's round comes along, and its peer's next step waits for it. A newcomer
+whose first step catches up with the swarm joins the others' round for the next epoch; its next round queues behind
+that one and pairs with the epoch after, and so on, one epoch out of step (docs/RELIABILITY.md). In
+``test_collaboration`` a parameter round that missed its group held its peer's next step for 6 s, two epochs, and the
+peer had to download the state. A round looks for its group in windows of ``matchmaking_time``, starting no later than
+its trigger, so a groupmate that starts looking up to 1.5 windows after this peer's trigger is still met by the end of
+the second retry. A round this peer has triggered that is still looking ``STALE_ROUND_FACTOR`` (2.5) x
+``matchmaking_time`` later is given up: the epoch goes on with this peer's own values, as after any failed round, and
+the peer's next round is free to pair with the others' round of the same epoch.
+
 Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
 process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the
 trainer itself no longer stops on Ctrl-C. We let the child start with SIGINT ignored and give the caller its
@@ -60,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -68,12 +81,14 @@ import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind.averaging.averager
+import hivemind.averaging.control
 import hivemind.averaging.matchmaking
 import hivemind.compression.quantization
 import hivemind.dht.dht
 import hivemind.optim.progress_tracker
 import numpy as np
 import torch
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import asyncio as hivemind_asyncio
@@ -81,6 +96,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from arguments import ProgressTrackerArguments
+
+logger = logging.getLogger(__name__)
 
 _running_tasks: set[asyncio.Task] = set()
 _original_switch_to_uvloop = hivemind_asyncio.switch_to_uvloop
@@ -285,6 +302,83 @@ async def declare_for_download_when_changed(self) -> None:
             await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, wake_at - get_dht_time()))
 
 
+STALE_ROUND_FACTOR = 2.5  # matchmaking_times after its trigger that a round may still be looking for a group
+STALE_ROUND_CHECK_PERIOD = 0.1  # seconds between two looks at the triggered rounds
+_STALE_AFTER = "_collab_stale_after"  # on a StepControl: seconds after its trigger that it counts as stale
+_original_averager_step = hivemind.averaging.averager.DecentralizedAverager.step
+_original_allow_allreduce = StepControl.allow_allreduce
+
+
+def is_stale_round(stage: AveragingStage, done: bool, seconds_since_trigger: float, stale_after: float) -> bool:
+    """Whether a triggered round should be given up: still looking for a group ``stale_after`` seconds after this
+    peer allowed it to run, when its own epoch's group would have assembled long before."""
+    return not done and stage == AveragingStage.LOOKING_FOR_GROUP and seconds_since_trigger >= stale_after
+
+
+class StaleRoundWatchdog:
+    """A daemon thread of the trainer's process that cancels triggered rounds once ``is_stale_round`` says so."""
+
+    def __init__(self, period: float = STALE_ROUND_CHECK_PERIOD):
+        self.period = period
+        self._rounds: dict[StepControl, tuple[float, float]] = {}  # control -> (trigger time, stale after)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, control: StepControl, stale_after: float) -> None:
+        with self._lock:
+            self._rounds[control] = (time.monotonic(), stale_after)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stale-round-watchdog", daemon=True)
+                self._thread.start()
+
+    def check(self) -> list[StepControl]:
+        """Cancel the stale rounds, forget the finished ones; return the rounds cancelled."""
+        now, cancelled = time.monotonic(), []
+        with self._lock:
+            rounds = list(self._rounds.items())
+        for control, (triggered_at, stale_after) in rounds:
+            done = control.done()
+            if is_stale_round(control.stage, done, now - triggered_at, stale_after):
+                control.cancel()
+                cancelled.append(control)
+                logger.warning(
+                    "Gave up an averaging round still looking for a group %.1f s after this peer was ready: its "
+                    "epoch's group formed without it, and waiting would pair it with a later epoch's round. This "
+                    "epoch goes on with this peer's own values",
+                    now - triggered_at,
+                )
+            if done or control in cancelled or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                with self._lock:
+                    self._rounds.pop(control, None)
+        return cancelled
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.period)
+            with contextlib.suppress(Exception):  # a control whose averager has shut down
+                self.check()
+
+
+STALE_ROUNDS = StaleRoundWatchdog()
+
+
+def averager_step_marking_stale_time(self, *args, **kwargs):
+    """hivemind's ``DecentralizedAverager.step``; a round it returns unfinished (``wait=False``) carries the time
+    after its trigger at which it counts as stale (``STALE_ROUND_FACTOR`` x this averager's matchmaking time)."""
+    result = _original_averager_step(self, *args, **kwargs)
+    if isinstance(result, StepControl):
+        setattr(result, _STALE_AFTER, STALE_ROUND_FACTOR * self.matchmaking_kwargs["min_matchmaking_time"])
+    return result
+
+
+def allow_allreduce_watching_for_staleness(self) -> None:
+    """hivemind's ``StepControl.allow_allreduce`` (this peer's trigger); the round is then watched for staleness."""
+    _original_allow_allreduce(self)
+    stale_after = getattr(self, _STALE_AFTER, None)
+    if stale_after is not None:
+        STALE_ROUNDS.watch(self, stale_after)
+
+
 PARENT_CHECK_PERIOD = 1.0  # seconds between two checks that a hivemind child's parent is still alive
 _original_dht_run = hivemind.dht.dht.DHT.run
 _original_averager_run = hivemind.averaging.averager.DecentralizedAverager.run
@@ -352,6 +446,8 @@ def apply() -> None:
     hivemind.dht.dht.DHT.run = dht_run_ending_with_parent
     averager.run = averager_run_ending_with_parent
     averager._declare_for_download_periodically = declare_for_download_when_changed
+    averager.step = averager_step_marking_stale_time
+    StepControl.allow_allreduce = allow_allreduce_watching_for_staleness
 
 
 apply()

@@ -414,3 +414,63 @@ def test_patched_averager_declares_once_and_again_when_its_priority_changes():
     during_round, priority = download_declarations(patched=True)
     assert during_round == 2, f"{during_round} declarations (one per averager expected)"
     assert priority == 5.0, "the raised priority never reached the DHT"
+
+
+def test_a_round_is_stale_only_while_it_still_looks_for_a_group_after_its_time():
+    looking, running = AveragingStage.LOOKING_FOR_GROUP, AveragingStage.RUNNING_ALLREDUCE
+    assert hivemind_fixes.is_stale_round(looking, done=False, seconds_since_trigger=4.0, stale_after=4.0)
+    assert not hivemind_fixes.is_stale_round(looking, done=False, seconds_since_trigger=3.9, stale_after=4.0)
+    # an all-reduce under way is a slow link or a late groupmate, not a missed group
+    assert not hivemind_fixes.is_stale_round(running, done=False, seconds_since_trigger=60.0, stale_after=4.0)
+    assert not hivemind_fixes.is_stale_round(looking, done=True, seconds_since_trigger=60.0, stale_after=4.0)
+
+
+STALE_TEST_MATCHMAKING = 1.0  # seconds: a triggered round still looking 2.5 s later is given up
+
+
+def matched_averager(dht: hivemind.DHT, value: float, prefix: str) -> DecentralizedAverager:
+    return DecentralizedAverager(
+        [torch.full((1000,), value)],
+        dht=dht,
+        prefix=prefix,
+        target_group_size=2,
+        min_matchmaking_time=STALE_TEST_MATCHMAKING,
+        request_timeout=0.5,
+        next_chunk_timeout=8.0,
+        start=True,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_round_that_finds_no_group_is_given_up_after_two_and_a_half_matchmaking_times():
+    # hivemind alone retries matchmaking until the round's timeout (60 s here, averaging_timeout in the Optimizer)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = matched_averager(dht, 1.0, prefix="nobody_else")
+    try:
+        step = averager.step(require_trigger=True, wait=False, timeout=60)
+        step.allow_allreduce()
+        wait_until(step.done, timeout=30, what="the round without a group to be given up", poll=0.1)
+        assert step.cancelled()
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_round_is_not_given_up_while_it_waits_for_a_late_groupmate():
+    """The first peer triggers before its group has assembled, the second 3 s later (more than the 2.5 s after which a
+    round still looking for a group is given up): the group formed in time, so both average."""
+    with two_dhts() as (dht1, dht2):
+        averagers = [matched_averager(dht, value, prefix="late_mate") for dht, value in ((dht1, 0.0), (dht2, 2.0))]
+        try:
+            steps = [averager.step(require_trigger=True, wait=False, timeout=60) for averager in averagers]
+            steps[0].allow_allreduce()
+            time.sleep(3.0)  # the skew under test: the second peer is this much later
+            steps[1].allow_allreduce()
+            assert [len(step.result(timeout=30)) for step in steps] == [2, 2]
+            for averager in averagers:
+                with averager.get_tensors() as (tensor,):
+                    assert torch.equal(tensor, torch.ones_like(tensor))
+        finally:
+            for averager in averagers:
+                averager.shutdown()
