@@ -7,8 +7,9 @@ checkpoint write and restarted with the same identity (M2). C contributes, then 
 averaging round begins, and restarts as C2. An outside client reads the metrics, a stranger forges records and
 a peer with a valid signature publishes a NaN loss. The learning rate reaches 0 at global epoch MAX_STEPS
 (total_steps), where B stops by itself; A and C2 have no max_steps and are stopped (SIGTERM) once B has stopped,
-C2 has contributed and the monitor holds a checkpoint past MAX_STEPS, whose parameters (frozen since
-MAX_STEPS) are compared with A's. Afterwards a new trainer resumes from that checkpoint.
+C2 has contributed and the monitor holds a checkpoint from SETTLED_STEP, after a parameter round at learning rate 0
+has evened out what partial rounds left apart; its parameters are compared with A's. Afterwards a new trainer
+resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -42,14 +43,24 @@ from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 MAX_STEPS = 22
-# Epochs of 3-4 s. At 128 samples they lasted 2-3 s, under the 2x matchmaking_time the trainer warns about: rounds
-# overlapped ("Another look_for_group is already in progress" 23-46 times a run against 0-6 at 256), parameter
-# rounds stalled a loop for 5-8 s, the peer fell out of sync and missed rounds (A averaged only 14 times once in CI).
+# Parameters stop moving at MAX_STEPS except through parameter rounds (every 2nd epoch), which even out what partial
+# rounds left apart. A checkpoint of epoch 22 or 23 could predate that: in 4 of 24 runs it differed from A's final
+# model by 0.004 to 0.011 (one run failed). The first parameter round at learning rate 0 runs into epoch 24 and is
+# applied by the next step.
+SETTLED_STEP = MAX_STEPS + 3
+# Epochs of 4-6 s, several matchmaking_times as the trainer asks. At 128 samples and matchmaking_time 2 they lasted
+# 2-3 s: rounds overlapped ("Another look_for_group is already in progress" 23-46 times a run), parameter rounds
+# stalled a loop for 5-8 s, and the peer fell out of sync and missed rounds (A averaged only 14 times once in CI).
+# With matchmaking_time 2 and epochs of 3-6 s, a restarted peer's rounds stayed one epoch out of step to the end in 2
+# of 22 runs (A and C2 0.05-0.16 apart): a queued round met the next epoch's group before the stale-round watchdog
+# (2.5 x matchmaking_time) gave it up. next_chunk_timeout stays at 3 s for groupmates that trigger late.
 FAST = [
     "--target_batch_size",
-    "256",
+    "384",
     "--matchmaking_time",
-    "2",
+    "1",
+    "--next_chunk_timeout",
+    "3",
     "--averaging_timeout",
     "15",
     "--total_steps",
@@ -233,12 +244,12 @@ def collaboration(tmp_path_factory, sample_data):
                     peers["B"].process.poll() is not None  # B stopped by itself at its max_steps
                     and "C2" in peers
                     and peers["C2"].averaging_group_sizes()  # the restarted peer contributed again
-                    and any(manifest.step >= MAX_STEPS for _, manifest in list_checkpoints(repo)[0])
+                    and any(manifest.step >= SETTLED_STEP for _, manifest in list_checkpoints(repo)[0])
                     and bool(lines_after_c_expired(result))  # the monitor reported after C's record expired
                 )
 
             # Events, not time, end the run: process start-up is slow on a loaded machine, so A and C2 (no
-            # max_steps) train until B has stopped, C2 has contributed and a checkpoint past MAX_STEPS exists.
+            # max_steps) train until B has stopped, C2 has contributed and a checkpoint from SETTLED_STEP exists.
             wait_until(poll, timeout=480, what="B to stop, C2 to contribute and a late checkpoint", poll=0.5)
             for name in ("A", "C2"):
                 peers[name].process.send_signal(signal.SIGTERM)
@@ -390,7 +401,7 @@ def test_checkpoint_matches_the_peers_parameters_and_loads(collaboration):
     valid, invalid = list_checkpoints(collaboration.output / "checkpoints")
     assert not invalid and 1 <= len(valid) <= 3
     folder, manifest = valid[-1]
-    assert manifest.step >= MAX_STEPS and manifest.peers >= 1
+    assert manifest.step >= SETTLED_STEP and manifest.peers >= 1
     model = AutoModelForMaskedLM.from_pretrained(folder)
     final_a = saved_parameters(collaboration.output / "A")
     checkpoint = {name: tensor for name, tensor in model.state_dict().items() if name in final_a}
