@@ -81,7 +81,6 @@ import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind.averaging.averager
-import hivemind.averaging.control
 import hivemind.averaging.matchmaking
 import hivemind.compression.quantization
 import hivemind.dht.dht
@@ -316,9 +315,10 @@ def is_stale_round(stage: AveragingStage, done: bool, seconds_since_trigger: flo
 
 
 class StaleRoundWatchdog:
-    """A daemon thread of the trainer's process that cancels triggered rounds once ``is_stale_round`` says so."""
+    """A daemon thread of the trainer's process that cancels triggered rounds once ``is_stale_round`` says so, every
+    ``period`` seconds (``period=None``: no thread, the caller runs ``check``)."""
 
-    def __init__(self, period: float = STALE_ROUND_CHECK_PERIOD):
+    def __init__(self, period: float | None = STALE_ROUND_CHECK_PERIOD):
         self.period = period
         self._rounds: dict[StepControl, tuple[float, float]] = {}  # control -> (trigger time, stale after)
         self._lock = threading.Lock()
@@ -327,12 +327,14 @@ class StaleRoundWatchdog:
     def watch(self, control: StepControl, stale_after: float) -> None:
         with self._lock:
             self._rounds[control] = (time.monotonic(), stale_after)
-            if self._thread is None:
+            if self._thread is None and self.period is not None:
                 self._thread = threading.Thread(target=self._run, name="stale-round-watchdog", daemon=True)
                 self._thread.start()
 
     def check(self) -> list[StepControl]:
-        """Cancel the stale rounds, forget the finished ones; return the rounds cancelled."""
+        """Cancel the stale rounds, forget the finished ones; return the rounds cancelled. A round stays watched
+        while its all-reduce runs: if that fails, hivemind goes back to matchmaking, where a later epoch's round
+        may be waiting."""
         now, cancelled = time.monotonic(), []
         with self._lock:
             rounds = list(self._rounds.items())
@@ -347,7 +349,7 @@ class StaleRoundWatchdog:
                     "epoch goes on with this peer's own values",
                     now - triggered_at,
                 )
-            if done or control in cancelled or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            if done or control in cancelled:
                 with self._lock:
                     self._rounds.pop(control, None)
         return cancelled

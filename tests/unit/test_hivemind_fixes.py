@@ -17,11 +17,12 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 
 from bench.cpu import process_tree, stat_fields
 from collab import hivemind_fixes
@@ -474,3 +475,17 @@ def test_a_round_is_not_given_up_while_it_waits_for_a_late_groupmate():
         finally:
             for averager in averagers:
                 averager.shutdown()
+
+
+def test_a_round_whose_all_reduce_failed_and_went_back_to_matchmaking_is_still_given_up():
+    trigger, cancel = MPFuture(), MPFuture()
+    now = get_dht_time()
+    control = StepControl(scheduled_time=now, deadline=now + 60, allow_retries=True, weight=1.0, data_for_gather=b"")
+    control.attach(trigger, cancel)
+    watchdog = hivemind_fixes.StaleRoundWatchdog(period=None)
+    control.stage = AveragingStage.RUNNING_ALLREDUCE
+    watchdog.watch(control, stale_after=0.0)
+    assert watchdog.check() == [] and not control.done(), "an all-reduce under way was given up"
+    control.stage = AveragingStage.LOOKING_FOR_GROUP  # the all-reduce failed and hivemind retries matchmaking
+    assert watchdog.check() == [control] and control.cancelled()
+    assert watchdog.check() == [], "a round given up is forgotten"
