@@ -78,6 +78,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import InvalidStateError
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind.averaging.averager
@@ -306,6 +307,7 @@ STALE_ROUND_CHECK_PERIOD = 0.1  # seconds between two looks at the triggered rou
 _STALE_AFTER = "_collab_stale_after"  # on a StepControl: seconds after its trigger that it counts as stale
 _original_averager_step = hivemind.averaging.averager.DecentralizedAverager.step
 _original_allow_allreduce = StepControl.allow_allreduce
+_original_step_control_cancel = StepControl.cancel
 
 
 def is_stale_round(stage: AveragingStage, done: bool, seconds_since_trigger: float, stale_after: float) -> bool:
@@ -371,6 +373,18 @@ def averager_step_marking_stale_time(self, *args, **kwargs):
     if isinstance(result, StepControl):
         setattr(result, _STALE_AFTER, STALE_ROUND_FACTOR * self.matchmaking_kwargs["min_matchmaking_time"])
     return result
+
+
+def cancel_once(self) -> bool:
+    """hivemind's ``StepControl.cancel``, which raises InvalidStateError when called a second time. The watchdog may
+    cancel a round that hivemind cancels again later (``Optimizer.shutdown`` cancels a round still marked as looking
+    for a group), and that second call made a trainer exit with code 1 after saving its model."""
+    if self._cancel is not None and self._cancel.done():  # cancelled before
+        return False
+    try:
+        return _original_step_control_cancel(self)
+    except InvalidStateError:  # cancelled by the other thread between the check and the call
+        return False
 
 
 def allow_allreduce_watching_for_staleness(self) -> None:
@@ -450,6 +464,7 @@ def apply() -> None:
     averager._declare_for_download_periodically = declare_for_download_when_changed
     averager.step = averager_step_marking_stale_time
     StepControl.allow_allreduce = allow_allreduce_watching_for_staleness
+    StepControl.cancel = cancel_once
 
 
 apply()
