@@ -342,7 +342,8 @@ class StaleRoundWatchdog:
             rounds = list(self._rounds.items())
         for control, (triggered_at, stale_after) in rounds:
             done = control.done()
-            if is_stale_round(control.stage, done, now - triggered_at, stale_after):
+            stale = is_stale_round(control.stage, done, now - triggered_at, stale_after)
+            if stale:
                 control.cancel()
                 cancelled.append(control)
                 logger.warning(
@@ -351,7 +352,7 @@ class StaleRoundWatchdog:
                     "epoch goes on with this peer's own values",
                     now - triggered_at,
                 )
-            if done or control in cancelled:
+            if done or stale:
                 with self._lock:
                     self._rounds.pop(control, None)
         return cancelled
@@ -359,8 +360,10 @@ class StaleRoundWatchdog:
     def _run(self) -> None:
         while True:
             time.sleep(self.period)
-            with contextlib.suppress(Exception):  # a control whose averager has shut down
+            try:
                 self.check()
+            except Exception:  # keep watching the other rounds
+                logger.debug("Stale-round check failed", exc_info=True)
 
 
 STALE_ROUNDS = StaleRoundWatchdog()
