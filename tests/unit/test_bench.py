@@ -26,6 +26,7 @@ from bench.formulas import (
 from bench.netpeer import model_like_shapes
 from bench.plain import throughput
 from bench.records import synthetic_records
+from bench.slow_peer import peer_counts
 from bench.training import against_plain, explain
 from collab.schema import parse_metrics
 
@@ -90,6 +91,22 @@ def test_round_lasts_from_the_last_trigger_to_the_last_finish():
     assert round_times([[(0.0, 1.0), (5.0, 5.5)], [(0.2, 0.9), (5.1, 5.7)]]) == pytest.approx([0.8, 0.6])
     with pytest.raises(ValueError):
         round_times([[(0.0, 1.0)], []])
+
+
+def test_a_slow_peers_counts_come_from_its_log():
+    log = "\n".join(
+        [
+            "Beginning optimizer step #4",
+            "Averaged gradients with 3 peers",
+            "Beginning optimizer step #5",
+            "Gave up an averaging round still looking for a group 7.5 s after this peer was ready",
+            "Beginning optimizer step #6",
+            "Averaged gradients with 2 peers",
+        ]
+    )
+    counts = peer_counts(log, peers=3)
+    assert counts["steps"] == 3 and counts["averaged"] == 2 and counts["averaged_with_all"] == 1
+    assert counts["given_up"] == 1 and counts["out_of_sync"] == 0
 
 
 def test_paper_scaling_rows():

@@ -1,0 +1,76 @@
+"""A slow peer among fast ones: how many of its global steps averaged its gradients with the others.
+
+``python -m bench.slow_peer [--seconds S] [--accumulation N]`` starts two peers at the defaults and a third with
+``--gradient_accumulation_steps N``, one thread each, on 127.0.0.1. With N = 16 the slow peer calls ``optimizer.step``
+about every 5 s on a 2-core machine, longer than the default ``matchmaking_time`` of 3 s. They train for S seconds
+after the slow peer's first global step; the last line printed is one JSON object with each peer's counts. A peer
+whose steps are further apart than ``matchmaking_time`` can step past the window in which hivemind pre-schedules its
+round, and then misses its epoch's group (docs/RELIABILITY.md). Figures, not a test: about 4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+from trainer.local import AVERAGED, LocalProcess, PeerProcess, wait_until
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+COUNTED = {
+    "steps": re.compile(r"Beginning optimizer step"),
+    "given_up": re.compile(r"Gave up an averaging round"),
+    "out_of_sync": re.compile(r"Peer is out of sync"),
+    "pre_scheduled": re.compile(r"Pre-scheduling gradient averaging round"),
+}
+
+
+def peer_counts(log: str, peers: int) -> dict:
+    """A peer's global steps, its gradient rounds averaged (with every peer, and at all), and its other events."""
+    sizes = [int(size) for size in AVERAGED.findall(log)]
+    counts = {name: len(pattern.findall(log)) for name, pattern in COUNTED.items()}
+    return {**counts, "averaged": len(sizes), "averaged_with_all": sizes.count(peers)}
+
+
+def run(seconds: float, accumulation: int, log_dir: Path) -> dict:
+    """Start the three peers, train ``seconds`` after the slow one's first step, stop them; each peer's counts."""
+    common = ["--experiment_prefix", f"bench_slow_{int(time.time())}"]
+    flags = {"fast_0": [], "fast_1": [], "slow": ["--gradient_accumulation_steps", str(accumulation)]}
+    peers: dict[str, LocalProcess] = {}
+    try:
+        for name, own_flags in flags.items():
+            join = peers["fast_0"].join_flags(120) if peers else []
+            argv = [*common, *join, *own_flags, "--output_dir", str(log_dir / name)]
+            peers[name] = PeerProcess(argv, log_dir / f"{name}.log", ONE_THREAD)
+        wait_until(lambda: peers["slow"].latest_epoch() >= 0, 300, "the slow peer's first global step", poll=1)
+        deadline = time.monotonic() + seconds
+        wait_until(
+            lambda: time.monotonic() >= deadline or any(p.process.poll() is not None for p in peers.values()),
+            seconds + 10,
+            "the measured window",
+            poll=1,
+        )
+    finally:
+        for peer in peers.values():
+            peer.stop(30)
+    return {name: peer_counts(peer.log(), len(peers)) for name, peer in peers.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.slow_peer", description=__doc__)
+    parser.add_argument("--seconds", type=float, default=150.0, help="time measured after the slow peer's first step")
+    parser.add_argument("--accumulation", type=int, default=16, help="the slow peer's --gradient_accumulation_steps")
+    parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/slow_peer"), help="every peer's log")
+    args = parser.parse_args(argv)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    counts = run(args.seconds, args.accumulation, args.log_dir)
+    for name, peer in counts.items():
+        print(f"{name}: {peer['averaged_with_all']} of {peer['steps']} global steps averaged with every peer, {peer}")
+    print(json.dumps(counts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
