@@ -71,14 +71,6 @@ previous one (docs/RELIABILITY.md). A round that carries its epoch now looks for
 rounds gather the optimizer's local epoch here. A left-behind round finds nobody and is given up as stale (above);
 rounds of the same epoch pair as before. Every peer of a collaboration must run this fix, or their rounds never meet.
 
-Slow peers that step past the window for pre-scheduling their rounds. hivemind.Optimizer pre-schedules a peer's
-round (starts its matchmaking) on the first ``step`` at which the epoch is expected to end within
-``matchmaking_time``. A peer whose steps are further apart than that (a large ``gradient_accumulation_steps``, a slow
-device) often has no step inside the window: its round then starts at its step after the epoch ended, when the
-others' group has formed without it, so its gradients are lost (or, before the fix above, averaged into the next
-epoch's). A peer now pre-schedules one local step earlier than hivemind would (the step interval from its own
-samples/s, at most half of ``averaging_timeout``); a round that starts looking early simply looks longer.
-
 Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
 process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the
 trainer itself no longer stops on Ctrl-C. We let the child start with SIGINT ignored and give the caller its
@@ -95,7 +87,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import InvalidStateError
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
@@ -480,46 +471,6 @@ def optimizer_init_tagging_gradient_rounds(self, *args, **kwargs) -> None:
         setattr(grad_averager, _EPOCH_OF_NEXT_ROUND, lambda: state_averager.local_epoch)
 
 
-_original_maybe_schedule_gradient_averaging = hivemind.optim.optimizer.Optimizer._maybe_schedule_gradient_averaging
-_original_maybe_schedule_state_averaging = hivemind.optim.optimizer.Optimizer._maybe_schedule_state_averaging
-
-
-def scheduling_lead(batch_size_per_step: int | None, samples_per_second: float, averaging_timeout: float) -> float:
-    """Seconds earlier than hivemind that a peer pre-schedules a round: one local step (``batch_size_per_step`` at
-    ``samples_per_second``, 0 while unmeasured), at most half of ``averaging_timeout`` so the round keeps time to
-    run."""
-    if not batch_size_per_step or samples_per_second <= 0 or not math.isfinite(samples_per_second):
-        return 0.0
-    return min(batch_size_per_step / samples_per_second, averaging_timeout / 2)
-
-
-@contextlib.contextmanager
-def scheduling_window_widened(optimizer) -> Iterator[None]:
-    """``optimizer.matchmaking_time``, which hivemind's pre-scheduling compares with the time left in the epoch,
-    longer by ``scheduling_lead`` for the duration."""
-    ema = optimizer.tracker.performance_ema
-    samples_per_second = ema.samples_per_second if ema.num_updates > 0 else 0.0
-    lead = scheduling_lead(optimizer.batch_size_per_step, samples_per_second, optimizer.averaging_timeout or math.inf)
-    matchmaking_time = optimizer.matchmaking_time
-    optimizer.matchmaking_time = matchmaking_time + lead
-    try:
-        yield
-    finally:
-        optimizer.matchmaking_time = matchmaking_time
-
-
-def maybe_schedule_gradient_averaging_a_step_ahead(self) -> None:
-    """hivemind's ``Optimizer._maybe_schedule_gradient_averaging``, one local step earlier."""
-    with scheduling_window_widened(self):
-        _original_maybe_schedule_gradient_averaging(self)
-
-
-def maybe_schedule_state_averaging_a_step_ahead(self) -> None:
-    """hivemind's ``Optimizer._maybe_schedule_state_averaging``, one local step earlier."""
-    with scheduling_window_widened(self):
-        _original_maybe_schedule_state_averaging(self)
-
-
 PARENT_CHECK_PERIOD = 1.0  # seconds between two checks that a hivemind child's parent is still alive
 _original_dht_run = hivemind.dht.dht.DHT.run
 _original_averager_run = hivemind.averaging.averager.DecentralizedAverager.run
@@ -593,10 +544,7 @@ def apply() -> None:
     GroupKeyManager.current_key = current_key_of_round
     Matchmaking.looking_for_group = looking_for_group_in_round_epoch
     hivemind.optim.grad_averager.GradientAverager.schedule_step = grad_schedule_step_gathering_epoch
-    optimizer = hivemind.optim.optimizer.Optimizer
-    optimizer.__init__ = optimizer_init_tagging_gradient_rounds
-    optimizer._maybe_schedule_gradient_averaging = maybe_schedule_gradient_averaging_a_step_ahead
-    optimizer._maybe_schedule_state_averaging = maybe_schedule_state_averaging_a_step_ahead
+    hivemind.optim.optimizer.Optimizer.__init__ = optimizer_init_tagging_gradient_rounds
 
 
 apply()

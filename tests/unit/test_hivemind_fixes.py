@@ -572,10 +572,3 @@ def test_an_optimizers_gradient_rounds_gather_its_local_epoch():
             optimizer.shutdown()
     finally:
         dht.shutdown()
-
-
-def test_a_peer_pre_schedules_its_rounds_one_local_step_earlier():
-    assert hivemind_fixes.scheduling_lead(256, samples_per_second=64.0, averaging_timeout=60.0) == 4.0
-    assert hivemind_fixes.scheduling_lead(256, samples_per_second=1.0, averaging_timeout=60.0) == 30.0  # capped
-    assert hivemind_fixes.scheduling_lead(256, samples_per_second=0.0, averaging_timeout=60.0) == 0.0  # unmeasured
-    assert hivemind_fixes.scheduling_lead(None, samples_per_second=64.0, averaging_timeout=60.0) == 0.0  # auxiliary
