@@ -8,7 +8,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import hivemind
@@ -71,10 +71,38 @@ def short_epoch_warning(epoch_seconds: list[float], matchmaking_time: float) -> 
     )
 
 
-@dataclass
-class EpochTimer:
-    """Times global epochs as this peer sees them end, and warns once when they are too short for matchmaking."""
+SLOW_STEP_WINDOW = 5  # optimizer steps whose median interval is judged
 
+
+def slow_step_warning(step_seconds: list[float], matchmaking_time: float) -> str | None:
+    """The operator's fix when this peer's optimizer steps are further apart than ``matchmaking_time``, else None.
+
+    hivemind arranges a peer's gradient round at the first step that expects the epoch to end within
+    ``matchmaking_time``, and checks at the first step of each epoch that the peer is still on the swarm's epoch. A
+    peer whose steps are further apart has no step in that window: its round starts at the step that ends its epoch,
+    after the others' group has formed, and is given up; and its first step of an epoch often comes after the swarm
+    moved on, so it reloads the state and loses the samples it had accumulated. ``python -m bench.slow_peer``: a peer
+    stepping every 5 to 7 s beside two default peers averaged 5 of its 11 global steps and reloaded 6 times
+    (docs/RELIABILITY.md)."""
+    if len(step_seconds) < SLOW_STEP_WINDOW:
+        return None
+    typical = statistics.median(step_seconds[-SLOW_STEP_WINDOW:])
+    if typical <= matchmaking_time:
+        return None
+    return (
+        f"This peer calls the optimizer every {typical:.1f} s, more than --matchmaking_time ({matchmaking_time:g} s): "
+        "its averaging rounds start after the others' groups have formed and it falls out of sync with faster peers. "
+        "Lower --gradient_accumulation_steps (hivemind accumulates toward --target_batch_size by itself) or "
+        "--per_device_train_batch_size so that a step takes less than matchmaking_time"
+    )
+
+
+@dataclass
+class IntervalTimer:
+    """Times the intervals between calls of ``ended`` (global epochs, optimizer steps) and logs ``warning``'s
+    advice on them once."""
+
+    warning: Callable[[list[float], float], str | None]
     matchmaking_time: float
     seconds: list[float] = field(default_factory=list)
     last_end: float | None = None
@@ -84,9 +112,9 @@ class EpochTimer:
         if self.last_end is not None:
             self.seconds.append(now - self.last_end)
         self.last_end = now
-        warning = None if self.warned else short_epoch_warning(self.seconds, self.matchmaking_time)
-        if warning is not None:
-            logger.warning(warning)
+        advice = None if self.warned else self.warning(self.seconds, self.matchmaking_time)
+        if advice is not None:
+            logger.warning(advice)
             self.warned = True
 
 
@@ -131,7 +159,8 @@ def train(
     accumulation = training_args.gradient_accumulation_steps
     summary = TrainingSummary(start_epoch=optimizer.local_epoch)
     model.train()
-    epochs = EpochTimer(optimizer.matchmaking_time)
+    epochs = IntervalTimer(short_epoch_warning, optimizer.matchmaking_time)
+    steps = IntervalTimer(slow_step_warning, optimizer.matchmaking_time)
     bar = tqdm(
         total=optimizer.target_batch_size, unit="samples", desc="global batch", disable=None, dynamic_ncols=True
     )
@@ -155,6 +184,7 @@ def train(
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+            steps.ended(time.monotonic())
 
             report = callback.on_step_end(loss_value, optimizer.batch_size_per_step)
             progress = optimizer.tracker.global_progress

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from trainer.loop import EpochTimer, short_epoch_warning
+from trainer.loop import IntervalTimer, short_epoch_warning, slow_step_warning
 
 
 def test_epochs_much_longer_than_matchmaking_get_no_warning():
@@ -20,8 +20,16 @@ def test_short_epochs_name_the_flags_to_change():
     assert short_epoch_warning([3.0, 3.0, 6.0, 6.5, 7.0], matchmaking_time=3.0) is None  # recovered
 
 
+def test_a_peer_stepping_less_often_than_matchmaking_time_is_told_which_flags_to_lower():
+    assert slow_step_warning([0.5] * 10, matchmaking_time=3.0) is None
+    assert slow_step_warning([7.0] * 4, matchmaking_time=3.0) is None  # too few steps to judge
+    warning = slow_step_warning([0.5, 6.0, 7.0, 40.0, 5.5, 6.5], matchmaking_time=3.0)  # a reload among the last five
+    assert warning is not None and "every 6.5 s" in warning and "--matchmaking_time (3 s)" in warning
+    assert "--gradient_accumulation_steps" in warning and "--per_device_train_batch_size" in warning
+
+
 def test_the_timer_warns_once(caplog):
-    timer = EpochTimer(matchmaking_time=3.0)
+    timer = IntervalTimer(short_epoch_warning, matchmaking_time=3.0)
     for now in (0.0, 3.0, 6.0, 9.0, 12.0, 15.0):
         timer.ended(now)
     assert timer.seconds == [3.0] * 5
