@@ -386,7 +386,11 @@ class TrainingArguments:
 
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Samples per forward pass per device"})
     gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "Forward passes accumulated before reporting progress to the optimizer"}
+        default=1,
+        metadata={
+            "help": "Forward passes accumulated before reporting progress to the optimizer; keep one optimizer step "
+            "shorter than matchmaking_time, or the peer misses averaging rounds (it warns when not)"
+        },
     )
     learning_rate: float = field(
         default=0.2,

@@ -62,15 +62,6 @@ the second retry. A round this peer has triggered that is still looking ``STALE_
 ``matchmaking_time`` later is given up: the epoch goes on with this peer's own values, as after any failed round, and
 the peer's next round is free to pair with the others' round of the same epoch.
 
-Averaging rounds of different epochs paired. hivemind matches every round of an averager under one DHT key,
-``{prefix}.0b{bits}``, whatever epoch the round belongs to, so a round left behind (a newcomer's catch-up step, a peer
-that stepped after its epoch's group had formed) joins the others' round of the next epoch: gradients of epoch E are
-averaged with those of E+1, and the newcomer stays one epoch out of step, each of its rounds queued behind the
-previous one (docs/RELIABILITY.md). A round that carries its epoch now looks for its group under
-``{prefix}_epoch{E}.0b{bits}``: hivemind.Optimizer's parameter rounds gather their epoch already, and its gradient
-rounds gather the optimizer's local epoch here. A left-behind round finds nobody and is given up as stale (above);
-rounds of the same epoch pair as before. Every peer of a collaboration must run this fix, or their rounds never meet.
-
 Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
 process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the
 trainer itself no longer stops on Ctrl-C. We let the child start with SIGINT ignored and give the caller its
@@ -94,18 +85,14 @@ import hivemind.averaging.averager
 import hivemind.averaging.matchmaking
 import hivemind.compression.quantization
 import hivemind.dht.dht
-import hivemind.optim.grad_averager
-import hivemind.optim.optimizer
 import hivemind.optim.progress_tracker
 import numpy as np
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils import asyncio as hivemind_asyncio
+from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from arguments import ProgressTrackerArguments
@@ -411,66 +398,6 @@ def allow_allreduce_watching_for_staleness(self) -> None:
         STALE_ROUNDS.watch(self, stale_after)
 
 
-_ROUND_EPOCH = "_collab_round_epoch"  # on a GroupKeyManager: the epoch of the round looking for a group, or None
-_EPOCH_OF_NEXT_ROUND = "_collab_epoch_of_next_round"  # on a GradientAverager: () -> the optimizer's local epoch
-_original_current_key = GroupKeyManager.current_key
-_original_looking_for_group = Matchmaking.looking_for_group
-_original_grad_schedule_step = hivemind.optim.grad_averager.GradientAverager.schedule_step
-_original_optimizer_init = hivemind.optim.optimizer.Optimizer.__init__
-
-
-def round_epoch(data_for_gather: bytes | None) -> int | None:
-    """The epoch a round carries in the data it gathers from its groupmates (hivemind's ``[bandwidth, mode, user
-    data]``, the user data an int epoch), or None when it carries none."""
-    try:
-        _bandwidth, _mode, user_data = MSGPackSerializer.loads(data_for_gather)
-        epoch = MSGPackSerializer.loads(user_data)
-    except Exception:  # no data, or another user's gathered data: not a round of an epoch
-        return None
-    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
-
-
-def epoch_group_key(prefix: str, group_bits: str, epoch: int | None) -> str:
-    """The DHT key under which a round looks for its group: hivemind's ``{prefix}.0b{bits}``, with the round's epoch in
-    the part before the dot (hivemind's GROUP_PATTERN allows no dot there)."""
-    name = prefix if epoch is None else f"{prefix}_epoch{epoch}"
-    return f"{name}.0b{group_bits}"
-
-
-@property
-def current_key_of_round(self) -> str:
-    """``GroupKeyManager.current_key``, holding the epoch of the round that is looking for a group."""
-    return epoch_group_key(self.prefix, self.group_bits, getattr(self, _ROUND_EPOCH, None))
-
-
-@contextlib.asynccontextmanager
-async def looking_for_group_in_round_epoch(self, step_control: StepControl):
-    """hivemind's ``Matchmaking.looking_for_group`` (one round at a time); while a round looks, the group key is its
-    epoch's, both for finding leaders and for accepting followers."""
-    async with _original_looking_for_group(self, step_control):
-        setattr(self.group_key_manager, _ROUND_EPOCH, round_epoch(step_control.data_for_gather))
-        try:
-            yield
-        finally:
-            setattr(self.group_key_manager, _ROUND_EPOCH, None)
-
-
-def grad_schedule_step_gathering_epoch(self, scheduled_time=None, **kwargs) -> StepControl:
-    """hivemind's ``GradientAverager.schedule_step``; a round of an optimizer's gradients gathers its epoch."""
-    epoch_of_next_round = getattr(self, _EPOCH_OF_NEXT_ROUND, None)
-    if epoch_of_next_round is not None and kwargs.get("gather") is None:
-        kwargs["gather"] = epoch_of_next_round()
-    return _original_grad_schedule_step(self, scheduled_time, **kwargs)
-
-
-def optimizer_init_tagging_gradient_rounds(self, *args, **kwargs) -> None:
-    """hivemind's ``Optimizer.__init__``; its gradient averager's rounds then carry the optimizer's local epoch."""
-    _original_optimizer_init(self, *args, **kwargs)
-    grad_averager, state_averager = getattr(self, "grad_averager", None), self.state_averager
-    if grad_averager is not None:
-        setattr(grad_averager, _EPOCH_OF_NEXT_ROUND, lambda: state_averager.local_epoch)
-
-
 PARENT_CHECK_PERIOD = 1.0  # seconds between two checks that a hivemind child's parent is still alive
 _original_dht_run = hivemind.dht.dht.DHT.run
 _original_averager_run = hivemind.averaging.averager.DecentralizedAverager.run
@@ -541,10 +468,6 @@ def apply() -> None:
     averager.step = averager_step_marking_stale_time
     StepControl.allow_allreduce = allow_allreduce_watching_for_staleness
     StepControl.cancel = cancel_once
-    GroupKeyManager.current_key = current_key_of_round
-    Matchmaking.looking_for_group = looking_for_group_in_round_epoch
-    hivemind.optim.grad_averager.GradientAverager.schedule_step = grad_schedule_step_gathering_epoch
-    hivemind.optim.optimizer.Optimizer.__init__ = optimizer_init_tagging_gradient_rounds
 
 
 apply()

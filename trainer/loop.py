@@ -57,8 +57,9 @@ def short_epoch_warning(epoch_seconds: list[float], matchmaking_time: float) -> 
     matches parameter rounds ahead (the delay estimate that would schedule them is only updated by a round that was),
     so each one starts looking for its group when its epoch ends and takes at least ``matchmaking_time``: epochs
     whose compute is shorter are stretched to about that. Shorter still, an averager is still matching one round when
-    the next is due, rounds pair up across epochs and each mismatched part waits ``next_chunk_timeout``
-    (docs/BENCHMARKS.md, target_batch_size 256: 0.39 to 0.76 of the plain loops' throughput, 0.91 to 0.96 at 1024)."""
+    the next is due, rounds queue up and miss their epoch's group, and each mismatched part waits
+    ``next_chunk_timeout`` (docs/BENCHMARKS.md, target_batch_size 256: 0.39 to 0.76 of the plain loops' throughput,
+    0.91 to 0.96 at 1024)."""
     if len(epoch_seconds) < SHORT_EPOCH_WINDOW:
         return None
     typical = statistics.median(epoch_seconds[-SHORT_EPOCH_WINDOW:])
@@ -80,10 +81,10 @@ def slow_step_warning(step_seconds: list[float], matchmaking_time: float) -> str
     hivemind arranges a peer's gradient round at the first step that expects the epoch to end within
     ``matchmaking_time``, and checks at the first step of each epoch that the peer is still on the swarm's epoch. A
     peer whose steps are further apart has no step in that window: its round starts at the step that ends its epoch,
-    after the others' group has formed, and is given up; and its first step of an epoch often comes after the swarm
-    moved on, so it reloads the state and loses the samples it had accumulated. ``python -m bench.slow_peer``: a peer
-    stepping every 5 to 7 s beside two default peers averaged 5 of its 11 global steps and reloaded 6 times
-    (docs/RELIABILITY.md)."""
+    after the others' group has formed, and its gradients join the next epoch's round or are lost. Its first step of
+    an epoch often comes after the swarm has moved on, so it reloads the state and loses the samples it had
+    accumulated. ``python -m bench.slow_peer``: a peer stepping every 5 to 7 s beside two default peers reloaded the
+    state 6 and 7 times in 10 and 9 global steps (docs/RELIABILITY.md)."""
     if len(step_seconds) < SLOW_STEP_WINDOW:
         return None
     typical = statistics.median(step_seconds[-SLOW_STEP_WINDOW:])

@@ -11,7 +11,6 @@ import sys
 import textwrap
 import time
 import weakref
-from functools import partial
 from pathlib import Path
 
 import hivemind
@@ -19,10 +18,10 @@ import pytest
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.averaging.key_manager import GroupKeyManager, is_valid_group
-from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from bench.cpu import process_tree, stat_fields
@@ -491,84 +490,3 @@ def test_a_round_whose_all_reduce_failed_and_went_back_to_matchmaking_is_still_g
     assert watchdog.check() == [control] and control.cancelled()
     assert watchdog.check() == [], "a round given up is forgotten"
     assert control.cancel() is False  # as Optimizer.shutdown cancels a round still marked as looking: no error
-
-
-def test_a_round_carries_the_epoch_it_gathers_into_its_group_key():
-    def gathered(user_data) -> bytes:  # as DecentralizedAverager.step packs what a round gathers
-        return MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(user_data)])
-
-    assert hivemind_fixes.round_epoch(gathered(7)) == 7
-    assert [hivemind_fixes.round_epoch(data) for data in (gathered(None), gathered(True), b"", None)] == [None] * 4
-    assert hivemind_fixes.epoch_group_key("run_grad_averager", "01", 7) == "run_grad_averager_epoch7.0b01"
-    assert hivemind_fixes.epoch_group_key("run_grad_averager", "", None) == "run_grad_averager.0b"  # hivemind's own
-    assert is_valid_group(hivemind_fixes.epoch_group_key("run_grad_averager", "01", 7))
-
-
-@contextlib.contextmanager
-def plain_group_keys():
-    """Averagers started inside match every round under one group key, as hivemind does."""
-    patched = GroupKeyManager.current_key, Matchmaking.looking_for_group
-    GroupKeyManager.current_key = hivemind_fixes._original_current_key
-    Matchmaking.looking_for_group = hivemind_fixes._original_looking_for_group
-    try:
-        yield
-    finally:
-        GroupKeyManager.current_key, Matchmaking.looking_for_group = patched
-
-
-def rounds_of_epochs(first_epoch: int, second_epoch: int) -> list[int | str]:
-    """Two peers each trigger a round that gathers its epoch; each round's group size, or "given up"."""
-    with two_dhts() as (dht1, dht2):
-        averagers = [matched_averager(dht, value, prefix="epochs") for dht, value in ((dht1, 0.0), (dht2, 2.0))]
-        try:
-            steps = [
-                averager.step(gather=epoch, require_trigger=True, wait=False, timeout=60)
-                for averager, epoch in zip(averagers, (first_epoch, second_epoch), strict=True)
-            ]
-            for step in steps:
-                step.allow_allreduce()
-            wait_until(lambda: all(step.done() for step in steps), timeout=30, what="both rounds to end", poll=0.1)
-            return ["given up" if step.cancelled() else len(step.result()) for step in steps]
-        finally:
-            for averager in averagers:
-                averager.shutdown()
-
-
-@pytest.mark.timeout(120)
-def test_plain_hivemind_pairs_rounds_of_different_epochs():
-    with plain_group_keys():
-        assert rounds_of_epochs(5, 6) == [2, 2]
-
-
-@pytest.mark.timeout(120)
-def test_patched_rounds_pair_within_their_epoch_only():
-    assert rounds_of_epochs(5, 6) == ["given up", "given up"]
-    assert rounds_of_epochs(6, 6) == [2, 2]
-
-
-@pytest.mark.timeout(120)
-def test_an_optimizers_gradient_rounds_gather_its_local_epoch():
-    model = torch.nn.Linear(4, 2)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        optimizer = hivemind.Optimizer(
-            dht=dht,
-            run_id="gradient_epochs",
-            target_batch_size=64,
-            batch_size_per_step=8,
-            optimizer=partial(torch.optim.SGD, lr=0.1),
-            params=model.parameters(),
-            matchmaking_time=1.0,
-        )
-        try:
-            epochs = []
-            for epoch in (0, 7):
-                optimizer.state_averager.local_epoch = epoch
-                control = optimizer.grad_averager.schedule_step(timeout=5)
-                epochs.append(hivemind_fixes.round_epoch(control.data_for_gather))
-                control.cancel()
-            assert epochs == [0, 7]
-        finally:
-            optimizer.shutdown()
-    finally:
-        dht.shutdown()
