@@ -57,9 +57,8 @@ def short_epoch_warning(epoch_seconds: list[float], matchmaking_time: float) -> 
     matches parameter rounds ahead (the delay estimate that would schedule them is only updated by a round that was),
     so each one starts looking for its group when its epoch ends and takes at least ``matchmaking_time``: epochs
     whose compute is shorter are stretched to about that. Shorter still, an averager is still matching one round when
-    the next is due, rounds queue up and miss their epoch's group, and each mismatched part waits
-    ``next_chunk_timeout`` (docs/BENCHMARKS.md, target_batch_size 256: 0.39 to 0.76 of the plain loops' throughput,
-    0.91 to 0.96 at 1024)."""
+    the next is due, rounds pair up across epochs and each mismatched part waits ``next_chunk_timeout``
+    (docs/BENCHMARKS.md, target_batch_size 256: 0.39 to 0.76 of the plain loops' throughput, 0.91 to 0.96 at 1024)."""
     if len(epoch_seconds) < SHORT_EPOCH_WINDOW:
         return None
     typical = statistics.median(epoch_seconds[-SHORT_EPOCH_WINDOW:])
@@ -101,7 +100,9 @@ def slow_step_warning(step_seconds: list[float], matchmaking_time: float) -> str
 @dataclass
 class IntervalTimer:
     """Times the intervals between calls of ``ended`` (global epochs, optimizer steps) and logs ``warning``'s
-    advice on them once."""
+    advice on them once. Keeps the last ``KEPT`` intervals: a peer steps millions of times in a long run."""
+
+    KEPT = 100
 
     warning: Callable[[list[float], float], str | None]
     matchmaking_time: float
@@ -112,6 +113,7 @@ class IntervalTimer:
     def ended(self, now: float) -> None:
         if self.last_end is not None:
             self.seconds.append(now - self.last_end)
+            del self.seconds[: -self.KEPT]
         self.last_end = now
         advice = None if self.warned else self.warning(self.seconds, self.matchmaking_time)
         if advice is not None:

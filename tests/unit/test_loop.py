@@ -33,6 +33,9 @@ def test_the_timer_warns_once(caplog):
     for now in (0.0, 3.0, 6.0, 9.0, 12.0, 15.0):
         timer.ended(now)
     assert timer.seconds == [3.0] * 5
+    for step in range(1000):
+        timer.ended(18.0 + step)
+    assert len(timer.seconds) == IntervalTimer.KEPT and timer.seconds[-1] == 1.0
     assert [r.getMessage() for r in caplog.records].count(short_epoch_warning([3.0] * 3, 3.0)) == 1
 
 
