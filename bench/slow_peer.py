@@ -35,10 +35,12 @@ def peer_counts(log: str, peers: int) -> dict:
 
 
 def run(seconds: float, accumulation: int, log_dir: Path) -> dict:
-    """Start the three peers, train ``seconds`` after the slow one's first step, stop them; each peer's counts."""
+    """Start the three peers, train ``seconds`` after the slow one's first step, stop them (SIGTERM); each peer's
+    counts and exit code (0 after a clean stop)."""
     common = ["--experiment_prefix", f"bench_slow_{int(time.time())}"]
     flags = {"fast_0": [], "fast_1": [], "slow": ["--gradient_accumulation_steps", str(accumulation)]}
     peers: dict[str, LocalProcess] = {}
+    exit_codes: dict[str, int | None] = {}
     try:
         for name, own_flags in flags.items():
             join = peers["fast_0"].join_flags(120) if peers else []
@@ -53,9 +55,11 @@ def run(seconds: float, accumulation: int, log_dir: Path) -> dict:
             poll=1,
         )
     finally:
-        for peer in peers.values():
-            peer.stop(30)
-    return {name: peer_counts(peer.log(), len(peers)) for name, peer in peers.items()}
+        for name, peer in peers.items():
+            exit_codes[name] = peer.stop(30)
+    return {
+        name: {**peer_counts(peer.log(), len(peers)), "exit_code": exit_codes[name]} for name, peer in peers.items()
+    }
 
 
 def main(argv=None) -> int:
