@@ -16,11 +16,11 @@ import re
 import time
 from pathlib import Path
 
-from trainer.local import AVERAGED, LocalProcess, PeerProcess, wait_until
+from trainer.local import AVERAGED, STEP_BEGUN, LocalProcess, PeerProcess, wait_until
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 COUNTED = {
-    "steps": re.compile(r"Beginning optimizer step"),
+    "steps": STEP_BEGUN,
     "given_up": re.compile(r"Gave up an averaging round"),
     "out_of_sync": re.compile(r"Peer is out of sync"),
     "pre_scheduled": re.compile(r"Pre-scheduling gradient averaging round"),

@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
 AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
+STEP_BEGUN = re.compile(r"Beginning optimizer step")  # hivemind's line at each global step, as its round begins
 EPOCH_REPORT = re.compile(r"epoch (\d+) \| loss")  # trainer.loop.format_report's line at each global epoch
 
 

@@ -38,7 +38,7 @@ from collab.dht import start_dht
 from collab.schema import LocalMetrics, make_validators, metrics_key, read_metrics
 from tests.conftest import RecordingServer, serve_recording
 from tests.integration.agreement import assert_parameters_agree, saved_parameters
-from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
+from trainer.local import STEP_BEGUN, LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -126,7 +126,7 @@ def current_step(records) -> int:
 
 
 def averaging_starts(peer: LocalProcess) -> int:
-    return peer.log().count("Beginning optimizer step")
+    return len(STEP_BEGUN.findall(peer.log()))
 
 
 @pytest.fixture(scope="module")
