@@ -2,7 +2,7 @@
 
 Key ``{experiment_prefix}_metrics``, subkey = the publishing peer's RSA public key, so only that peer can
 overwrite its own record (RSASignatureValidator); SchemaValidator rejects any value that is not a strict
-LocalMetrics: non-negative, finite, the right types, no extra fields.
+LocalMetrics: non-negative, finite, within the bounds below, the right types, no extra fields.
 
 LocalMetrics is one pydantic v2 model (validated in compiled code: the monitor parses every peer's record on every
 refresh); hivemind's SchemaValidator takes pydantic v1 models, so MetricSchema wraps the same model in a v1 field
@@ -18,25 +18,41 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
+
+# Upper bounds no honest peer reaches but that keep every sum and difference the monitor computes far from overflow:
+# 2^40 global epochs is 35,000 years at one a second; 1e7 samples/s is thousands of GPUs in one peer.
+MAX_STEP = 2**40 - 1
+MAX_SAMPLES_PER_SECOND = 1e7
+MAX_SAMPLES_ACCUMULATED = 2**40 - 1
+MAX_MINI_STEPS = 10**7
+# A mini-batch's loss (mean cross-entropy) is ln(vocabulary) ~ 10 at the start and stays below the largest fp16
+# logit gap (~1.3e5) even when training diverges, so a sum above 1e6 per mini-step is never an honest one.
+MAX_LOSS_PER_MINI_STEP = 1e6
 
 
 class LocalMetrics(BaseModel):
     """One peer's progress over its last global epoch. ``loss`` is the sum over ``mini_steps`` mini-batches.
 
-    Strict: no strings, floats or booleans where an int belongs, nothing negative, no NaN or infinity, no extra
-    fields (an int where a float belongs is a number and is accepted).
+    Strict: no strings, floats or booleans where an int belongs, nothing negative, no NaN or infinity, nothing past
+    the MAX_* bounds, no extra fields (an int where a float belongs is a number and is accepted).
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
-    step: int = Field(ge=0)
-    samples_per_second: float = Field(ge=0.0, allow_inf_nan=False)
-    samples_accumulated: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_STEP)
+    samples_per_second: float = Field(ge=0.0, le=MAX_SAMPLES_PER_SECOND, allow_inf_nan=False)
+    samples_accumulated: int = Field(ge=0, le=MAX_SAMPLES_ACCUMULATED)
     loss: float = Field(ge=0.0, allow_inf_nan=False)
-    mini_steps: int = Field(ge=0)
+    mini_steps: int = Field(ge=0, le=MAX_MINI_STEPS)
+
+    @model_validator(mode="after")
+    def _loss_is_bounded_per_mini_step(self) -> LocalMetrics:
+        if self.loss > MAX_LOSS_PER_MINI_STEP * self.mini_steps:
+            raise ValueError(f"loss must be at most {MAX_LOSS_PER_MINI_STEP:g} per mini-step (mini_steps)")
+        return self
 
 
 class _LocalMetricsRecord:

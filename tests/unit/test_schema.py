@@ -4,7 +4,18 @@ import math
 
 import pytest
 
-from collab.schema import LocalMetrics, make_validators, metrics_key, parse_metrics
+from collab.schema import (
+    MAX_LOSS_PER_MINI_STEP,
+    MAX_MINI_STEPS,
+    MAX_SAMPLES_ACCUMULATED,
+    MAX_SAMPLES_PER_SECOND,
+    MAX_STEP,
+    LocalMetrics,
+    MetricSchema,
+    make_validators,
+    metrics_key,
+    parse_metrics,
+)
 
 GOOD = {"step": 3, "samples_per_second": 12.5, "samples_accumulated": 128, "loss": 24.2, "mini_steps": 8}
 
@@ -39,8 +50,6 @@ def test_an_int_where_a_float_belongs_is_a_number():
 
 def test_the_dht_schema_accepts_exactly_what_the_model_does():
     """hivemind's SchemaValidator (pydantic v1) delegates to LocalMetrics and gets back a value equal to the input."""
-    from collab.schema import MetricSchema
-
     key = b"[owner:peer]"
     assert MetricSchema.parse_obj({"metrics": {key: GOOD}}).dict()["metrics"][key] == GOOD
     for bad in ({**GOOD, "loss": math.nan}, {**GOOD, "extra_field": 1}, {**GOOD, "step": "3"}):
@@ -58,3 +67,37 @@ def test_key_and_validators():
     assert metrics_key("my_run") == "my_run_metrics"
     validators, public_key = make_validators("my_run")
     assert len(validators) == 2 and b"[owner:" in public_key
+
+
+AT_THE_BOUNDS = [
+    {"step": MAX_STEP},
+    {"samples_per_second": MAX_SAMPLES_PER_SECOND},
+    {"samples_accumulated": MAX_SAMPLES_ACCUMULATED},
+    {"mini_steps": MAX_MINI_STEPS},
+    {"loss": MAX_LOSS_PER_MINI_STEP * GOOD["mini_steps"]},
+    {"loss": 0.0, "mini_steps": 0},
+]
+PAST_THE_BOUNDS = [
+    {"step": MAX_STEP + 1},
+    {"step": 2**62},
+    {"samples_per_second": math.nextafter(MAX_SAMPLES_PER_SECOND, math.inf)},
+    {"samples_per_second": 1e300},
+    {"samples_accumulated": MAX_SAMPLES_ACCUMULATED + 1},
+    {"mini_steps": MAX_MINI_STEPS + 1},
+    {"loss": math.nextafter(MAX_LOSS_PER_MINI_STEP * GOOD["mini_steps"], math.inf)},
+    {"loss": 1e-9, "mini_steps": 0},  # no mini-step, no loss
+]
+
+
+@pytest.mark.parametrize("change", AT_THE_BOUNDS)
+def test_values_at_the_bounds_are_accepted_by_the_monitor_and_on_the_wire(change):
+    value = {**GOOD, **change}
+    assert parse_metrics(value) == LocalMetrics(**value)
+    assert MetricSchema.parse_obj({"metrics": {b"[owner:peer]": value}}).dict()["metrics"][b"[owner:peer]"] == value
+
+
+@pytest.mark.parametrize("change", PAST_THE_BOUNDS)
+def test_values_just_past_the_bounds_are_rejected_by_the_monitor_and_on_the_wire(change):
+    assert parse_metrics({**GOOD, **change}) is None
+    with pytest.raises(ValueError):
+        MetricSchema.parse_obj({"metrics": {b"[owner:peer]": {**GOOD, **change}}})
