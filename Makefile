@@ -13,7 +13,7 @@ setup: $(STAMP) $(SAMPLE)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,web,wandb,hub]'
 	touch $@
 
 # Quick when the sample data is already built (data.prepare checks its own fingerprint).

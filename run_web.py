@@ -14,6 +14,13 @@ logger = logging.getLogger("run_web")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from collab.extras import MissingExtraError, require_extra
+
+    try:
+        require_extra("web", "the web app")
+    except MissingExtraError as e:
+        print(f"run_web.py: error: {e}", file=sys.stderr)
+        return 2
     from web.settings import SettingsError, parse_web_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
