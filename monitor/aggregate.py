@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,21 +41,43 @@ def live_metrics(records: Mapping[Any, tuple[Any, float]], now: float) -> dict[A
     return alive
 
 
+def honest_step(steps: Sequence[int], step_lag: int) -> int:
+    """The swarm's global step by its honest majority: the newest step at most ``step_lag`` past the lower median.
+
+    A minority of records (one liar, or several) cannot move it by more than ``step_lag``, however far ahead they
+    claim to be. The price: when most peers leave at once, their records hold the step at theirs until they expire
+    (statistics_expiration), since a lone peer running ahead looks the same as a liar.
+    """
+    ordered = sorted(steps)
+    limit = ordered[(len(ordered) - 1) // 2] + step_lag
+    return max(step for step in ordered if step <= limit)
+
+
+def far_ahead(alive: Mapping[Any, LocalMetrics], step: int) -> list[Any]:
+    """Peers whose records claim a step past the swarm's honest ``step``: left out of every sum."""
+    return [peer for peer, metrics in alive.items() if metrics.step > step]
+
+
 def aggregate(
     records: Mapping[Any, tuple[Any, float]], now: float, step_lag: int = MonitorArguments.alive_step_lag
 ) -> SwarmMetrics | None:
     """Σ loss / Σ mini_steps, alive peers, samples and samples/s over live records; None when there are none.
 
     ``records`` maps each peer (its public key) to ``(value, expiration_time)``, as ``collab.schema.read_metrics``
-    returns them, so one peer is counted once however many times it published. A record more than ``step_lag``
-    global epochs behind the newest is left out: its peer died or fell behind (peers in sync publish every epoch),
-    and its old loss and samples/s would stay in the sums until the record expires, minutes later.
+    returns them, so one peer is counted once however many times it published.
     """
-    alive = live_metrics(records, now)
+    return summarize(live_metrics(records, now), now, step_lag)
+
+
+def summarize(alive: Mapping[Any, LocalMetrics], now: float, step_lag: int) -> SwarmMetrics | None:
+    """``aggregate`` over parsed live records. The step is ``honest_step``; a record past it (``far_ahead``) or
+    more than ``step_lag`` global epochs behind it is left out: its peer lies, died or fell behind (peers in sync
+    publish every epoch), and its loss and samples/s would stay in the sums until the record expires, minutes later.
+    """
     if not alive:
         return None
-    step = max(m.step for m in alive.values())
-    current = [m for m in alive.values() if m.step >= step - step_lag]
+    step = honest_step([m.step for m in alive.values()], step_lag)
+    current = [m for m in alive.values() if step - step_lag <= m.step <= step]
     mini_steps = sum(m.mini_steps for m in current)
     return SwarmMetrics(
         step=step,

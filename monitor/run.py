@@ -7,6 +7,7 @@ it: malformed records are ignored, state downloads are retried, uploads and web 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from arguments import (
 from collab.dht import start_dht
 from collab.optim import build_state_averager
 from collab.schema import make_validators, read_metrics
-from monitor.aggregate import aggregate
+from monitor.aggregate import far_ahead, live_metrics, summarize
 from monitor.checkpoints import CheckpointSaver
 from monitor.sinks import Sink, build_sinks, last_step_in, write_all
 from monitor.upload import Uploader, make_target
@@ -34,12 +35,17 @@ from monitor.upload import Uploader, make_target
 logger = logging.getLogger(__name__)
 
 
+MAX_LOGGED_LIARS = 1000  # peers named in the log for a record far ahead; more are counted at DEBUG only
+
+
 @dataclass
 class MonitorState:
-    """What the loop has seen so far: the last step reported, and evaluation results waiting for the next one."""
+    """What the loop has seen so far: the last step reported, evaluation results waiting for the next one, and the
+    peers already logged for a record far ahead of the swarm (each is named once)."""
 
     last_step: int | None = None
     pending_evaluation: dict[str, float] = field(default_factory=dict)
+    logged_liars: set = field(default_factory=set)
 
 
 def is_new_step(step: int, last_step: int | None) -> bool:
@@ -48,15 +54,56 @@ def is_new_step(step: int, last_step: int | None) -> bool:
     return last_step is None or step > last_step
 
 
+def last_step_within_reach(last_step: int | None, step: int, step_lag: int) -> int | None:
+    """``last_step``, or None when it is more than ``step_lag`` past the swarm's honest ``step``: a step no honest
+    majority reported (a liar's, written by an older version, or a previous run's), so reporting goes on from the
+    swarm's step instead of waiting forever to pass it."""
+    return None if last_step is not None and last_step - step > step_lag else last_step
+
+
+def peer_fingerprint(peer: bytes) -> str:
+    """A short, printable name for a peer's public key (the key itself is hundreds of bytes)."""
+    return hashlib.sha256(peer).hexdigest()[:12]
+
+
+def log_far_ahead(alive: dict, step: int, logged: set) -> None:
+    """Name once each peer whose record claims a step past the swarm's; they are left out of the report."""
+    for peer in far_ahead(alive, step):
+        if peer in logged:
+            continue
+        if len(logged) >= MAX_LOGGED_LIARS:
+            logger.debug("One more peer far ahead of the swarm's step %d (not named: too many)", step)
+            continue
+        logged.add(peer)
+        logger.warning(
+            "Ignoring peer %s: its record claims global step %d, past the swarm's %d (alive_step_lag)",
+            peer_fingerprint(peer),
+            alive[peer].step,
+            step,
+        )
+
+
 def refresh(
     dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None, step_lag: int
 ) -> None:
     """One refresh: read the records, save a checkpoint when due (and evaluate it when that is due), then report a
     new global step to every sink; an evaluation's ``eval_*`` keys ride on the first step reported after it."""
-    metrics = aggregate(read_metrics(dht, prefix), get_dht_time(), step_lag)
+    now = get_dht_time()
+    alive = live_metrics(read_metrics(dht, prefix), now)
+    metrics = summarize(alive, now, step_lag)
     if metrics is None:
         logger.debug("No live metrics records yet")
         return
+    log_far_ahead(alive, metrics.step, state.logged_liars)
+    reachable = last_step_within_reach(state.last_step, metrics.step, step_lag)
+    if reachable != state.last_step:
+        logger.warning(
+            "The last step reported, %d, is more than alive_step_lag past the swarm's %d: no honest majority "
+            "reached it (a liar's record or an earlier run); reporting goes on from the swarm's step",
+            state.last_step,
+            metrics.step,
+        )
+        state.last_step = reachable
     if saver is not None and saver.maybe_save(metrics.step, metrics.loss, metrics.alive_peers) is not None:
         state.pending_evaluation.update(saver.evaluate())
     if is_new_step(metrics.step, state.last_step):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from arguments import MonitorArguments
+from collab.extras import require_extra
 from monitor.aggregate import format_line
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,17 @@ class JsonLinesSink:
 
 
 def last_step_in(path: str | os.PathLike | None) -> int | None:
-    """The step of the last complete line of a metrics file (a restarted monitor goes on after it)."""
+    """The step of the last complete line of a metrics file (a restarted monitor goes on after it, unless the swarm
+    is far behind it: see ``monitor.run.last_step_within_reach``); lines without a whole-number step are skipped."""
     if not path or not Path(path).exists():
         return None
     for line in reversed(Path(path).read_text(encoding="utf-8", errors="replace").splitlines()):
         try:
-            return int(json.loads(line)["step"])
+            step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by a crash
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step
     return None
 
 
@@ -74,6 +78,7 @@ class WandbSink:
     """Logs each global step to Weights & Biases (``WANDB_MODE=offline`` writes the run locally, no network)."""
 
     def __init__(self, project: str, run_name: str, config: Mapping[str, Any]):
+        require_extra("wandb", "--wandb_project")
         import wandb  # imported only when asked for: it is slow to import and optional
 
         self._wandb = wandb

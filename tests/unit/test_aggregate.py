@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monitor.aggregate import aggregate, format_line, live_metrics
+from monitor.aggregate import aggregate, far_ahead, format_line, honest_step, live_metrics
 
 NOW = 1000.0
 
@@ -69,6 +69,45 @@ def test_each_peer_counts_once():
     records = {b"a": (record(step=1), NOW + 10)}
     records[b"a"] = (record(step=2), NOW + 20)
     assert aggregate(records, NOW).alive_peers == 1
+
+
+@pytest.mark.parametrize(
+    ("steps", "step_lag", "expected"),
+    [
+        ([7], 2, 7),
+        ([6, 7], 2, 7),  # in sync: the newest step
+        ([5, 6, 7, 7], 2, 7),
+        ([6, 7, 2**39], 2, 7),  # one liar far ahead
+        ([7, 2**39], 2, 7),  # one against one: the lower one
+        ([7, 7, 2**39, 2**39], 2, 7),  # half are liars: still the lower half
+        ([7, 7, 7, 2**39, 2**39], 2, 7),
+        ([7, 7, 9], 2, 9),  # ahead within step_lag: an honest peer one epoch early looks the same
+        ([7, 7, 10], 2, 7),
+        ([0, 0, 7, 7, 7], 2, 7),  # behind: dead peers or liars, a minority either way
+        ([4, 4, 7], 2, 4),  # most peers left: their step until their records expire
+        ([3, 3], 0, 3),
+    ],
+)
+def test_the_step_is_the_honest_majority_s(steps, step_lag, expected):
+    assert honest_step(steps, step_lag) == expected
+    assert honest_step(list(reversed(steps)), step_lag) == expected
+
+
+def test_liars_far_ahead_move_neither_the_step_nor_the_sums():
+    honest = {
+        b"a": (record(step=7, loss=6.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"b": (record(step=6, loss=4.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"c": (record(step=7, loss=2.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+    }
+    liars = {
+        b"liar": (record(step=2**39, loss=1e6, mini_steps=1, samples=2**39, sps=1e7), NOW + 500),
+        b"liar2": (record(step=10, loss=0.0, mini_steps=10**7, samples=1, sps=1e7), NOW + 500),
+    }
+    expected = aggregate(honest, NOW, step_lag=2)
+    assert (expected.step, expected.alive_peers, expected.samples, expected.samples_per_second) == (7, 3, 96, 30.0)
+    assert aggregate({**honest, **liars}, NOW, step_lag=2) == expected
+    alive = live_metrics({**honest, **liars}, NOW)
+    assert sorted(far_ahead(alive, expected.step)) == [b"liar", b"liar2"]
 
 
 @pytest.mark.parametrize(
@@ -135,7 +174,7 @@ def test_any_records_never_crash_and_only_valid_ones_count(raw):
     metrics = aggregate(raw, NOW, step_lag=2)
     if metrics is None:
         return
-    counted = [m for m in live_metrics(raw, NOW).values() if m.step >= metrics.step - 2]
+    counted = [m for m in live_metrics(raw, NOW).values() if metrics.step - 2 <= m.step <= metrics.step]
     assert metrics.alive_peers == len(counted) and metrics.samples == sum(m.samples_accumulated for m in counted)
     assert 1 <= metrics.alive_peers <= len(raw)
     assert metrics.step >= 0 and metrics.samples >= 0
