@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from arguments import MonitorArguments
 from collab.extras import require_extra
-from collab.extras import require_extra
 from monitor.aggregate import format_line
 
 logger = logging.getLogger(__name__)
@@ -79,7 +78,6 @@ class WandbSink:
     """Logs each global step to Weights & Biases (``WANDB_MODE=offline`` writes the run locally, no network)."""
 
     def __init__(self, project: str, run_name: str, config: Mapping[str, Any]):
-        require_extra("wandb", "--wandb_project")
         require_extra("wandb", "--wandb_project")
         import wandb  # imported only when asked for: it is slow to import and optional
 
