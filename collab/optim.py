@@ -29,6 +29,7 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
+from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,8 @@ def build_optimizer(
 ) -> hivemind.Optimizer:
     """hivemind.Optimizer over Lamb: accumulate to the collaboration's target batch, average fp16 gradients, step.
 
+    Its gradient and parameter rounds refuse a groupmate's non-finite values (``collab.averagers``).
+
     ``tracker_private_key`` gives the progress tracker its own RSA key, only needed when several peers share one
     process (tests); a real peer has one key per process.
     """
@@ -160,7 +163,7 @@ def build_optimizer(
     }
     if tracker_private_key is not None:
         tracker_opts["private_key"] = tracker_private_key
-    return hivemind.Optimizer(
+    return FiniteAveragingOptimizer(
         dht=dht,
         run_id=peer_args.experiment_prefix,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
@@ -178,6 +181,7 @@ def build_optimizer(
         average_state_every=optimizer_args.average_state_every,
         client_mode=peer_args.client_mode,
         grad_compression=gradient_compression(optimizer_args.grad_compression),
+        grad_averager_factory=FiniteGradientAverager,
         state_averaging_compression=Float16Compression(),
         load_state_compression=Float16Compression(),
         averager_opts={"bandwidth": optimizer_args.bandwidth, "target_group_size": averager_args.target_group_size},

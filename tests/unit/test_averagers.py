@@ -1,0 +1,112 @@
+"""Averaging rounds refuse non-finite values: real all-reduce runners over real p2p daemons, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2P
+
+from collab.averagers import (
+    FiniteAllReduceRunner,
+    FiniteGradientAverager,
+    FiniteTrainingStateAverager,
+    is_acceptable_contribution,
+    keep_local_where_non_finite,
+)
+
+TENSOR_SIZES = (1000, 24)  # values; several parts per reducer with the small part size below
+PART_SIZE_BYTES = 512
+
+
+def test_non_finite_averaged_values_are_replaced_by_the_local_ones():
+    delta = torch.tensor([0.5, float("inf"), -1.0, float("nan"), float("-inf")])
+    kept, replaced = keep_local_where_non_finite(delta)
+    assert replaced == 3
+    assert kept.tolist() == [0.5, 0.0, -1.0, 0.0, 0.0]
+    finite = torch.tensor([1.0, -2.0])
+    assert keep_local_where_non_finite(finite) == (finite, 0)
+
+
+def test_a_contribution_needs_finite_values_and_a_finite_non_negative_weight():
+    part = torch.ones(4)
+    assert is_acceptable_contribution(part, 16.0)
+    assert is_acceptable_contribution(part, 0.0)  # a peer that accumulated nothing this epoch
+    assert not is_acceptable_contribution(torch.tensor([1.0, float("nan")]), 1.0)
+    assert not is_acceptable_contribution(part, float("inf"))
+    assert not is_acceptable_contribution(part, -1.0)
+
+
+def test_the_subclasses_answer_under_hiveminds_rpc_names():
+    """A monitor's plain TrainingStateAverager downloads state from trainers that run the subclass."""
+    pairs = ((FiniteGradientAverager, GradientAverager), (FiniteTrainingStateAverager, TrainingStateAverager))
+    for ours, theirs in pairs:
+        for method in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):
+            assert ours._get_handle_name("run_x", method) == theirs._get_handle_name("run_x", method)
+
+
+async def run_group(local_tensors: list[list[torch.Tensor]], weights: list[float]) -> list[list[torch.Tensor]]:
+    """One all-reduce among ``len(local_tensors)`` peers, each over its own p2p daemon; every peer's tensors after
+    the round (deltas applied as hivemind's averager applies them)."""
+    p2ps = [await P2P.create()]
+    try:
+        maddrs = await p2ps[0].get_visible_maddrs()
+        p2ps += await asyncio.gather(*(P2P.create(initial_peers=maddrs) for _ in local_tensors[1:]))
+        peer_ids = [p2p.peer_id for p2p in p2ps]
+        runners = []
+        for p2p, tensors, weight in zip(p2ps, local_tensors, weights, strict=True):
+            runner = FiniteAllReduceRunner(
+                round_kind="gradient",
+                p2p=p2p,
+                servicer_type=FiniteAllReduceRunner,
+                prefix=None,
+                group_id=b"group",
+                tensors=[tensor.clone() for tensor in tensors],
+                weight=weight,
+                ordered_peer_ids=peer_ids,
+                peer_fractions=tuple(1.0 for _ in p2ps),
+                part_size_bytes=PART_SIZE_BYTES,
+                sender_timeout=10,
+                reducer_timeout=20,
+            )
+            await runner.add_p2p_handlers(p2p)
+            runners.append(runner)
+
+        async def apply(runner):
+            index = 0
+            async for delta in runner:
+                runner.tensor_part_container.local_tensors[index].add_(delta)
+                index += 1
+            return list(runner.tensor_part_container.local_tensors)
+
+        return await asyncio.wait_for(asyncio.gather(*map(apply, runners)), timeout=60)
+    finally:
+        await asyncio.gather(*(p2p.shutdown() for p2p in p2ps))
+
+
+def test_honest_peers_drop_a_liars_non_finite_values_in_both_directions(caplog):
+    """The liar (peer 2) holds inf in every tensor: its parts sent to the honest reducers are refused, and the
+    averages it sends back for the part it reduces (inf) leave the honest peers' own values there."""
+    torch.manual_seed(0)
+    honest = [[torch.randn(size) for size in TENSOR_SIZES] for _ in range(2)]
+    liar = [torch.full((size,), float("inf")) for size in TENSOR_SIZES]
+    weights = [3.0, 1.0, 1.0]
+    with caplog.at_level(logging.WARNING, logger="collab.averagers"):
+        results = asyncio.run(run_group([*honest, liar], weights))
+
+    first, second = results[0], results[1]
+    honest_mean = [(3 * a + 1 * b) / 4 for a, b in zip(*honest, strict=True)]
+    for index, mean in enumerate(honest_mean):
+        assert torch.isfinite(first[index]).all() and torch.isfinite(second[index]).all()
+        averaged = torch.isclose(first[index], mean, atol=1e-5)
+        kept_own = torch.isclose(first[index], honest[0][index]) & torch.isclose(second[index], honest[1][index])
+        assert (averaged | kept_own).all()
+        # where the honest reducers worked, both honest peers hold the honest mean
+        assert torch.allclose(first[index][averaged], second[index][averaged], atol=1e-5)
+    averaged_count = sum(int(torch.isclose(r, m, atol=1e-5).sum()) for r, m in zip(first, honest_mean, strict=True))
+    assert averaged_count >= sum(TENSOR_SIZES) // 2  # two of three reducers are honest
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert sum(message.startswith("Gradient round: dropped") for message in warnings) >= 2  # once per honest peer
