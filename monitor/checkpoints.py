@@ -3,14 +3,21 @@
 The state is downloaded into a ``TrainingStateAverager`` built by the same factory as the trainers' optimizer
 (``collab.optim.build_state_averager``), so the checkpoint is exactly what the peers train. A download that fails
 or times out is logged and retried at the next refresh; the monitor never hangs or dies of it.
+
+A peer can serve a state under any epoch: one more than ``epoch_tolerance`` global steps from the swarm's honest step
+is not saved, and checkpoint folders that far past the swarm (a liar's, saved by an older version, or an earlier
+run's) are renamed ``rejected-<step>`` so that saving, pruning and uploading go on from the swarm's step.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from pathlib import Path
 
+from arguments import MonitorArguments
 from collab.checkpoint import latest_checkpoint, prune_checkpoints, remove_partial_saves, write_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -21,11 +28,38 @@ def is_due(step: int, last_saved_step: int | None, interval: int) -> bool:
     return last_saved_step is None or step - last_saved_step >= interval
 
 
+def epoch_in_reach(epoch: int, step: int, tolerance: int) -> bool:
+    """A downloaded state's ``epoch`` is the swarm's when it is within ``tolerance`` global steps of its ``step``."""
+    return abs(epoch - step) <= tolerance
+
+
+def default_epoch_tolerance(step_lag: int, load_timeout: float) -> int:
+    """How far an honest state's epoch can be from the step seen before downloading it: peers ``step_lag`` apart,
+    plus the epochs that pass during a download of up to ``load_timeout`` seconds (at most one a second)."""
+    return step_lag + math.ceil(load_timeout)
+
+
+def set_aside_checkpoints_past(repo_path: str | os.PathLike, step: int) -> list[Path]:
+    """Rename the checkpoint folders of steps past ``step`` to ``rejected-<step>`` (kept for a person to look at,
+    no longer seen as checkpoints); returns their new paths."""
+    moved = []
+    for folder in Path(repo_path).iterdir():
+        if folder.is_dir() and folder.name.isdigit() and int(folder.name) > step:
+            target = folder.with_name(f"rejected-{folder.name}")
+            suffix = 0
+            while target.exists():
+                suffix += 1
+                target = folder.with_name(f"rejected-{folder.name}-{suffix}")
+            moved.append(folder.rename(target))
+    return moved
+
+
 class CheckpointSaver:
     """Every ``interval`` global steps: load the state from peers, write ``<repo_path>/<step>/``, keep the last N.
 
     ``retry_period`` bounds how often a failed download is tried again (seconds). ``evaluator`` scores the
-    downloaded model in memory after a save (see ``evaluate``).
+    downloaded model in memory after a save (see ``evaluate``). ``epoch_tolerance`` (global steps, see the module
+    docstring and ``default_epoch_tolerance``) bounds how far a saved epoch may be from the swarm's step.
     """
 
     def __init__(
@@ -39,10 +73,14 @@ class CheckpointSaver:
         load_timeout: float,
         retry_period: float = 30.0,
         evaluator=None,
+        epoch_tolerance: int | None = None,
     ):
         self.averager, self.model, self.tokenizer = state_averager, model, tokenizer
         self.repo_path, self.interval, self.keep = Path(repo_path), interval, keep
         self.load_timeout, self.retry_period = load_timeout, retry_period
+        if epoch_tolerance is None:
+            epoch_tolerance = default_epoch_tolerance(MonitorArguments.alive_step_lag, load_timeout)
+        self.epoch_tolerance = epoch_tolerance
         self._next_try = 0.0
         self.evaluator = evaluator  # trainer.evaluate.CheckpointEvaluator, or None: never evaluate
         remove_partial_saves(self.repo_path)
@@ -54,10 +92,20 @@ class CheckpointSaver:
             )
 
     def maybe_save(self, step: int, loss: float | None, peers: int) -> Path | None:
-        """Save a checkpoint if one is due at this global ``step``; returns its folder, or None."""
+        """Save a checkpoint if one is due at the swarm's honest global ``step``; returns its folder, or None."""
+        if self.last_saved_step is not None and self.last_saved_step - step > self.epoch_tolerance:
+            self._forget_checkpoints_past(step + self.epoch_tolerance)
         if not is_due(step, self.last_saved_step, self.interval) or time.monotonic() < self._next_try:
             return None
         epoch = self.download()
+        if epoch is not None and not epoch_in_reach(epoch, step, self.epoch_tolerance):
+            logger.warning(
+                "Not saving the state of global epoch %d: the swarm is at step %d (more than %d apart); will retry",
+                epoch,
+                step,
+                self.epoch_tolerance,
+            )
+            epoch = None
         if epoch is None or (self.last_saved_step is not None and epoch <= self.last_saved_step):
             self._next_try = time.monotonic() + self.retry_period
             return None
@@ -68,6 +116,18 @@ class CheckpointSaver:
         removed = prune_checkpoints(self.repo_path, self.keep)
         logger.info("Saved checkpoint %s%s", folder, f" (removed {len(removed)} older)" if removed else "")
         return folder
+
+    def _forget_checkpoints_past(self, limit: int) -> None:
+        moved = set_aside_checkpoints_past(self.repo_path, limit)
+        found = latest_checkpoint(self.repo_path)
+        logger.warning(
+            "Checkpoints past global step %d, where the swarm is not (a liar's state or an earlier run), renamed: "
+            "%s; saving goes on from %s",
+            limit,
+            ", ".join(folder.name for folder in moved) or "none",
+            f"step {found[1].step}" if found else "the swarm's step",
+        )
+        self.last_saved_step = found[1].step if found else None
 
     def evaluate(self) -> dict[str, float]:
         """``eval_*`` metrics of the model just saved when an evaluation is due (the evaluator counts saves)."""

@@ -28,7 +28,7 @@ from collab.dht import start_dht
 from collab.optim import build_state_averager
 from collab.schema import make_validators, read_metrics
 from monitor.aggregate import far_ahead, live_metrics, summarize
-from monitor.checkpoints import CheckpointSaver
+from monitor.checkpoints import CheckpointSaver, default_epoch_tolerance
 from monitor.sinks import Sink, build_sinks, last_step_in, write_all
 from monitor.upload import Uploader, make_target
 
@@ -136,6 +136,7 @@ def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_a
         optimizer_args.load_state_timeout,
         retry_period=monitor_args.refresh_period,
         evaluator=evaluator,
+        epoch_tolerance=default_epoch_tolerance(monitor_args.alive_step_lag, optimizer_args.load_state_timeout),
     )
     return averager, saver
 

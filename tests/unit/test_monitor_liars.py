@@ -6,10 +6,14 @@ import logging
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time
+from transformers import AutoModelForMaskedLM
 
+from collab.checkpoint import latest_checkpoint, read_manifest, write_checkpoint
 from collab.schema import metrics_key
+from monitor.checkpoints import CheckpointSaver, default_epoch_tolerance, epoch_in_reach, set_aside_checkpoints_past
 from monitor.run import MonitorState, last_step_within_reach, refresh
 from monitor.sinks import JsonLinesSink, last_step_in
+from trainer.model import tiny_bert_config
 
 PREFIX = "liar_test"
 LIAR_STEP = 2**39
@@ -74,3 +78,26 @@ def test_a_metrics_line_without_a_whole_number_step_is_skipped_on_restart(tmp_pa
     bad_steps = ['{"step": 1e400}', '{"step": "9"}', '{"step": true}', '{"step": -3}', '{"step": 4.5}']
     path.write_text(json.dumps({"step": 5}) + "\n" + "\n".join(bad_steps) + "\n")
     assert last_step_in(path) == 5
+
+
+def test_a_state_far_from_the_swarm_s_step_is_not_the_swarm_s():
+    assert default_epoch_tolerance(2, 120.0) == 122
+    assert epoch_in_reach(130, 8, 122) and epoch_in_reach(8, 8, 0)
+    assert not epoch_in_reach(131, 8, 122) and not epoch_in_reach(2**39, 8, 122)
+    assert not epoch_in_reach(9, 130, 120)  # far behind: not the swarm's state either
+
+
+def test_a_checkpoint_far_past_the_swarm_is_set_aside_and_saving_goes_on(tmp_path):
+    """A folder an older monitor saved under a liar's epoch would be the newest checkpoint forever: never due
+    again, never pruned, uploaded and resumed from. Seen against the swarm's step, it is renamed and forgotten."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
+    for step in (4, 2**39):
+        write_checkpoint(tmp_path, step, model, None, {"optimizer": None}, loss=3.5, peers=2)
+    saver = CheckpointSaver(None, model, None, str(tmp_path), interval=5, keep=3, load_timeout=10, epoch_tolerance=12)
+    assert saver.last_saved_step == 2**39
+    assert saver.maybe_save(step=6, loss=3.0, peers=2) is None  # step 4 was saved 2 steps ago: not due yet
+    assert saver.last_saved_step == 4 and latest_checkpoint(tmp_path)[1].step == 4
+    assert read_manifest(tmp_path / f"rejected-{2**39}").step == 2**39  # kept for a person to look at
+    write_checkpoint(tmp_path, 2**39, model, None, {"optimizer": None}, loss=3.5, peers=2)
+    assert set_aside_checkpoints_past(tmp_path, 18) == [tmp_path / f"rejected-{2**39}-1"]
+    assert set_aside_checkpoints_past(tmp_path, 3) == [tmp_path / "rejected-4"]
