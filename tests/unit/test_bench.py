@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -219,3 +220,24 @@ def test_plain_fp16_loop_runs_autocast_with_loss_scaling():
     assert result["samples_per_second"] > 0 and result["device"] == "cpu"
     assert 1.0 <= result["loss_scale"] <= 65536.0  # started at 65536, halves on each overflow, never grows in 1 s
     assert throughput(seconds=0.5, seed=0)["loss_scale"] is None
+
+
+def test_report_renders_this_runs_figures_only():
+    # Findings and history live in docs/benchmarks/: the generated report carries no other run's dates or figures.
+    header = {"date": "2000-01-02", "command": "make bench", "wall_min": 1.0, "machine": "test"}
+    row = {
+        "params": 1000,
+        "allreduce_s": 0.2,
+        "allreduce_bound_s": 0.1,
+        "allreduce_vs_bound": 2.0,
+        "join_s": 0.4,
+        "join_bytes": 4000,
+        "join_bound_s": 0.2,
+        "join_vs_bound": 2.0,
+    }
+    eight_bit = {"params": 1000, "allreduce_s": 0.1, "allreduce_vs_fp16_bound": 1.0, "speedup_over_fp16": 2.0}
+    link = {"bandwidth_mbit": 10.0, "delay_ms": 20, "rows": [row], "eight_bit": eight_bit, "goodput_mbit": 9.5}
+    text = report.render(header, {"link": link}, "{}")
+    assert re.findall(r"\d{4}-\d{2}-\d{2}", text) == ["2000-01-02"]
+    assert "Added link delay: 20 ms" in text and "on a 10 Mbit/s link" in text
+    assert "Findings" not in text and "docs/benchmarks/" in text
