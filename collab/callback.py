@@ -12,7 +12,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from collab.checkpoint import CheckpointError, load_optimizer_state, read_manifest
+from collab.checkpoint import OPTIMIZER_STATE, CheckpointError, load_model, load_optimizer_state, opened_checkpoint
 from collab.schema import LocalMetrics, metrics_key
 
 logger = logging.getLogger(__name__)
@@ -140,18 +140,25 @@ class CollaborativeCallback:
         logger.warning("Parameters became NaN or infinite: restoring the backup (rollback #%d)", self.rollbacks)
         self._load_training_state(self.backup["model"], copy.deepcopy(self.backup["optimizer"]))
 
-    def resume_from_checkpoint(self, folder: str) -> None:
-        """Load a checkpoint saved by the monitor (verified against its manifest) into the model and optimizer."""
+    def resume_from_checkpoint(self, path: str) -> None:
+        """Load a checkpoint saved by the monitor (a folder, or the web app's ``checkpoint-<step>.tar.gz``) into the
+        model and optimizer, after verifying it against its manifest; nothing in it is unpickled beyond plain data."""
         try:
-            manifest = read_manifest(folder)
+            with opened_checkpoint(path) as (folder, manifest):
+                weights = load_model(folder, type(self.model)).state_dict()
+                state = load_optimizer_state(folder)
         except CheckpointError as e:
             raise CheckpointError(f"--resume_from: {e}") from None
-        weights = type(self.model).from_pretrained(folder).state_dict()
-        state = load_optimizer_state(folder)
-        self._load_training_state(weights, state["optimizer"])
+        try:
+            self._load_training_state(weights, state["optimizer"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(
+                f"--resume_from: {path}: the model or {OPTIMIZER_STATE} does not fit this model ({type(e).__name__}); "
+                "resume with the --task and --model_name_or_path the checkpoint was trained with"
+            ) from None
         self.optimizer.state_averager.local_epoch = manifest.step
         self.optimizer.state_averager._update_scheduler()
-        logger.info("Resumed from checkpoint %s (global epoch %d)", folder, manifest.step)
+        logger.info("Resumed from checkpoint %s (global epoch %d)", path, manifest.step)
 
     @torch.no_grad()
     def _load_training_state(self, model_state: dict, optimizer_state: dict) -> None:

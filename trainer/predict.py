@@ -6,19 +6,25 @@
 
 qa prints the answer span (the best over every window of a long context); seq-cls prints the label and its
 probability. Bad input prints one line naming the flag and exits 2.
+
+``--checkpoint`` is a monitor checkpoint (a folder or the web app's ``checkpoint-<step>.tar.gz``), verified against
+its manifest, or a plain ``save_pretrained`` folder such as a trainer's ``--output_dir``. Either way the weights are
+read from ``model.safetensors`` only and a folder holding links or odd names is refused: nothing in it runs code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from datasets import Dataset
 
 from arguments import DatasetArguments
+from collab.checkpoint import MANIFEST, CheckpointError, folder_files, is_archive, load_model, opened_checkpoint
 from trainer.data import one_pass
 from trainer.qa import predict_answers
 from trainer.tasks import TASKS
@@ -37,7 +43,11 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="Folder with a saved model and tokenizer")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="Saved model and tokenizer: a monitor checkpoint or --output_dir folder, or checkpoint-<step>.tar.gz",
+    )
     parser.add_argument("--task", required=True, choices=["seq-cls", "qa"], help="What the model was trained for")
     parser.add_argument("--question", help="qa: the question; seq-cls: the first text of a pair (BoolQ)")
     parser.add_argument("--context", help="qa: the text that holds the answer")
@@ -46,7 +56,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max_seq_length", type=int, default=384, help="Window length (tokens)")
     parser.add_argument("--doc_stride", type=int, default=128, help="Window overlap (tokens)")
     args = parser.parse_args(argv)
-    if not (Path(args.checkpoint) / "config.json").is_file():
+    if not is_archive(args.checkpoint) and not (Path(args.checkpoint) / "config.json").is_file():
         raise InputError(f"--checkpoint: no saved model (config.json) in {args.checkpoint}")
     if args.task == "qa":
         for flag in ("question", "context"):
@@ -57,6 +67,18 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.doc_stride >= args.max_seq_length // 2:
         raise InputError(f"--doc_stride: must be under half of --max_seq_length ({args.max_seq_length})")
     return args
+
+
+@contextlib.contextmanager
+def model_folder(path: str) -> Iterator[Path]:
+    """The folder to load: a checkpoint verified against its manifest, or a plain folder checked for links and odd
+    names (it has no manifest to verify)."""
+    if is_archive(path) or (Path(path) / MANIFEST).exists():
+        with opened_checkpoint(path) as (folder, _):
+            yield folder
+    else:
+        folder_files(path)
+        yield Path(path)
 
 
 def answer(model, tokenizer, question: str, context: str, max_seq_length: int, doc_stride: int) -> str:
@@ -93,8 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    model = TASKS[args.task].model_class.from_pretrained(args.checkpoint).eval()
+    try:
+        with model_folder(args.checkpoint) as folder:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = load_model(folder, TASKS[args.task].model_class).eval()
+    except CheckpointError as e:
+        print(f"{PROG}: error: --checkpoint: {e}", file=sys.stderr)
+        return 2
     if args.task == "qa":
         print(answer(model, tokenizer, args.question, args.context, args.max_seq_length, args.doc_stride))
     else:

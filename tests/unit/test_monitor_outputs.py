@@ -192,4 +192,4 @@ def test_wandb_offline_run_holds_the_logged_steps(tmp_path, monkeypatch):
 
 
 def test_tensors_are_untouched_by_the_module_fixture(checkpoint_repo):
-    assert torch.load(checkpoint_repo / "4" / "optimizer.pt", weights_only=False) == {"optimizer": None}
+    assert torch.load(checkpoint_repo / "4" / "optimizer.pt", weights_only=True) == {"optimizer": None}
