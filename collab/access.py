@@ -1,11 +1,19 @@
 """Access tokens: only peers the experiment's web app let in can read or write the experiment's DHT records.
 
 The pattern of hivemind's ``TokenAuthorizerBase`` as sahajBERT used it. The web app holds an RSA *authority key*
-per experiment. A peer proves it holds the experiment token by calling ``POST /api/experiments/{id}/join`` with
-its own public key and gets back an ``AccessToken`` (its public key, an expiry, the authority's signature) and the
-authority's public key. Every DHT request and response then carries the sender's token and a signature by the
-sender's key; a peer accepts only those whose token the authority signed and that have not expired. Tokens are
-refreshed a minute before they expire.
+per experiment. A peer proves it holds the experiment's peer (or monitor) token by calling
+``POST /api/experiments/{id}/join`` with its own public key and that key's signature of a join proof, and gets back
+an ``AccessToken`` (its public key, an expiry, the authority's signature) and the authority's public key. Every DHT
+request and response then carries the sender's token and a signature by the sender's key; a peer accepts only those
+whose token the authority signed and that have not expired.
+
+Staying up while the web app is down: a peer refreshes its token once half of its lifetime has passed, in the
+background, and keeps using the current one while refreshes fail (retried with backoff, logged once per outage),
+so an outage shorter than half the lifetime goes unnoticed. It pins the authority key it got first: a refresh that
+brings another key (the admin rotated a token, or someone else answers at that URL) is refused and logged, and
+the peer runs on until its token expires; restart it with the current token to let it in again. Clocks must agree
+within hivemind's one minute (``TokenAuthorizerBase._MAX_CLIENT_SERVICER_TIME_DIFF``): a peer whose clock is
+further off has its DHT requests refused.
 
 What this does NOT cover: hivemind authorizes DHT calls only. Gradient and parameter averaging and state
 downloads travel over libp2p streams that are not checked, so a peer that knows another's address can still
@@ -19,6 +27,7 @@ import asyncio
 import base64
 import datetime
 import logging
+import time
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
@@ -26,7 +35,9 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 logger = logging.getLogger(__name__)
 
-REFRESH_BEFORE_EXPIRY = datetime.timedelta(minutes=1)
+REFRESH_FRACTION = 0.5  # of a token's lifetime, after which the peer asks for the next one
+FIRST_RETRY_DELAY, MAX_RETRY_DELAY = 1.0, 60.0  # seconds between failed refreshes, doubling
+JOIN_PROOF = b"collab-train join v1\n"
 
 
 class AccessError(RuntimeError):
@@ -35,6 +46,20 @@ class AccessError(RuntimeError):
 
 def _signed_bytes(token: AccessToken) -> bytes:
     return b"\n".join([token.username.encode(), token.public_key, token.expiration_time.encode()])
+
+
+def _join_proof_bytes(public_key: bytes, username: str) -> bytes:
+    return JOIN_PROOF + username.encode() + b"\n" + public_key
+
+
+def sign_join_proof(private_key: RSAPrivateKey, username: str) -> bytes:
+    """Proof that the joining peer holds the private key of the public key it asks a token for."""
+    return private_key.sign(_join_proof_bytes(private_key.get_public_key().to_bytes(), username))
+
+
+def verify_join_proof(public_key: bytes, username: str, proof: bytes) -> bool:
+    """Whether ``proof`` is ``public_key``'s signature of the join proof; raises ValueError on a non-RSA key."""
+    return RSAPublicKey.from_bytes(public_key).verify(_join_proof_bytes(public_key, username), proof)
 
 
 def new_authority_key() -> bytes:
@@ -94,8 +119,9 @@ def token_from_json(data: dict[str, str]) -> AccessToken:
 class WebAppAuthorizer(TokenAuthorizerBase):
     """Gets this peer's access token from the web app's join endpoint and checks everyone else's.
 
-    ``fetch_first_token()`` is called in the main process before the DHT starts, so a wrong URL or experiment
-    token fails at once with a clear message; the DHT process then refreshes the token by itself.
+    ``fetch_first_token()`` is called in the main process before the DHT starts, so a wrong URL or token fails at
+    once with a clear message and the authority key is pinned; the DHT process then refreshes the token by itself,
+    in the background, while the current one is still valid (see the module docstring).
     """
 
     def __init__(self, join_url: str, experiment_token: str | None, username: str = "peer", timeout: float = 30.0):
@@ -103,12 +129,19 @@ class WebAppAuthorizer(TokenAuthorizerBase):
         self.join_url, self.experiment_token = join_url, experiment_token
         self.username, self.timeout = username, timeout
         self.authority_public_key: RSAPublicKey | None = None
+        self._refresh_after = 0.0  # wall-clock time (s) after which the current token is due for a refresh
+        self._retry_delay = 0.0  # 0 while refreshes succeed; else the wait before the next attempt
+        self._refreshing: asyncio.Task | None = None
 
-    def _request_token(self) -> AccessToken:
+    def _request_token(self) -> tuple[AccessToken, RSAPublicKey]:
         import requests
 
         headers = {"Authorization": f"Bearer {self.experiment_token}"} if self.experiment_token else {}
-        body = {"public_key": base64.b64encode(self.local_public_key.to_bytes()).decode(), "username": self.username}
+        body = {
+            "public_key": base64.b64encode(self.local_public_key.to_bytes()).decode(),
+            "username": self.username,
+            "proof": base64.b64encode(sign_join_proof(self._local_private_key, self.username)).decode(),
+        }
         try:
             response = requests.post(self.join_url, json=body, headers=headers, timeout=self.timeout)
         except requests.RequestException as e:
@@ -116,29 +149,77 @@ class WebAppAuthorizer(TokenAuthorizerBase):
         if response.status_code in (401, 403):
             raise AccessError(
                 f"--authorization_url: {self.join_url} refused to let this peer in ({response.status_code}); "
-                "check the experiment token (--web_token or --config_token)"
+                "check the experiment's peer token (--web_token or --config_token)"
             )
         if response.status_code >= 400:
             raise AccessError(
                 f"--authorization_url: {self.join_url} answered {response.status_code}: {response.text[:200]}"
             )
-        data = response.json()
-        self.authority_public_key = RSAPublicKey.from_bytes(base64.b64decode(data["authority_public_key"]))
-        token = token_from_json(data["access_token"])
+        try:
+            data = response.json()
+            authority = RSAPublicKey.from_bytes(base64.b64decode(data["authority_public_key"]))
+            token = token_from_json(data["access_token"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise AccessError(f"--authorization_url: {self.join_url} sent no access token ({e!r})") from None
+        return token, authority
+
+    def _accept(self, token: AccessToken, authority: RSAPublicKey) -> None:
+        """Take a token signed by the pinned authority (the first one seen); AccessError otherwise."""
+        if self.authority_public_key is None:
+            self.authority_public_key = authority
+        elif authority.to_bytes() != self.authority_public_key.to_bytes():
+            raise AccessError(
+                f"--authorization_url: {self.join_url} now signs with another authority key (was a token rotated?); "
+                "refused: restart this peer with the current peer token"
+            )
+        if not self.is_token_valid(token):
+            raise AccessError(f"--authorization_url: {self.join_url} sent a token that does not verify")
+        expiration = token_expiration(token).timestamp()
+        now = time.time()
+        self._local_access_token = token
+        self._refresh_after = now + (expiration - now) * REFRESH_FRACTION
         logger.info("Got an access token valid until %s", token.expiration_time)
-        return token
 
     def fetch_first_token(self) -> None:
-        self._local_access_token = self._request_token()
-        if not self.is_token_valid(self._local_access_token):
-            raise AccessError(f"--authorization_url: {self.join_url} sent a token that does not verify")
+        self._accept(*self._request_token())
 
     async def get_token(self) -> AccessToken:
-        return await asyncio.get_running_loop().run_in_executor(None, self._request_token)
+        token, authority = await asyncio.get_running_loop().run_in_executor(None, self._request_token)
+        self._accept(token, authority)
+        return token
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
         return self.authority_public_key is not None and is_token_valid(access_token, self.authority_public_key)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        expiration = token_expiration(access_token)
-        return expiration is None or expiration - REFRESH_BEFORE_EXPIRY <= datetime.datetime.now(datetime.timezone.utc)
+        return access_token is not self._local_access_token or time.time() >= self._refresh_after
+
+    async def refresh_token_if_needed(self) -> None:
+        """Wait for a token only when there is no valid one; otherwise refresh it in the background."""
+        token = self._local_access_token
+        if token is not None and self.is_token_valid(token):
+            if self.does_token_need_refreshing(token) and (self._refreshing is None or self._refreshing.done()):
+                self._refreshing = asyncio.create_task(self._refresh())
+            return
+        async with self._refresh_lock:
+            if self._local_access_token is None or not self.is_token_valid(self._local_access_token):
+                await self.get_token()
+
+    async def _refresh(self) -> None:
+        """One refresh attempt; a failure keeps the current token and sets the next attempt's time (backoff)."""
+        async with self._refresh_lock:
+            try:
+                await self.get_token()
+            except AccessError as e:
+                if not self._retry_delay:
+                    logger.warning(
+                        "Could not refresh the access token (%s); using the current one until %s and retrying",
+                        e,
+                        self._local_access_token.expiration_time,
+                    )
+                self._retry_delay = min(MAX_RETRY_DELAY, max(FIRST_RETRY_DELAY, 2 * self._retry_delay))
+                self._refresh_after = time.time() + self._retry_delay
+                return
+            if self._retry_delay:
+                logger.info("Refreshed the access token again after failed attempts")
+            self._retry_delay = 0.0

@@ -1,36 +1,54 @@
 """JSON API: experiments and their configs (admin), metrics and checkpoints (the monitor), read by the dashboard.
 
 Reading the metrics and the checkpoint list is public (the dashboard is read-only); everything else needs a token,
-see web/auth.py. Errors: 401/403 (token), 404 (no such experiment), 413 (too large), 422 (invalid input, with the
-field names in ``loc``), 400 (upload whose sha256 does not match).
+see web/auth.py for which. Errors: 401/403 (token), 404 (no such experiment), 409 (checkpoint step already stored
+or older than every kept one), 413 (too large), 422 (invalid input, with the field names in ``loc``), 400 (upload
+whose sha256 does not match). Every id, step and version is a whole number in ASCII digits up to 2**63 - 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import math
 import os
 import re
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from arguments import ConfigError
-from collab.access import issue_token, load_authority_key, new_authority_key, token_to_json
-from web.auth import check_experiment_access, is_admin, require_admin
+from collab.access import issue_token, load_authority_key, new_authority_key, token_to_json, verify_join_proof
+from web.auth import ANY_MEMBER, MONITOR_ONLY, check_experiment_access, is_admin, require_admin
 from web.forms import validated_config
-from web.store import Checkpoint, Experiment, Store
+from web.logsafe import printable
+from web.store import INT64_MAX, MONITOR, PEER, Checkpoint, Experiment, Store
 from web.upload import receive_upload
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/api", tags=["experiments"])
 SHA256 = re.compile(r"[0-9a-f]{64}")
+ASCII_INT = re.compile(r"-?[0-9]{1,19}")
+MAX_STEP = 10**12
+MAX_METRICS_PAGE = 1000
+
+
+def ascii_int(value: Any) -> Any:
+    """Text must be plain ASCII digits (Python's int() also takes other scripts' digits, and any length)."""
+    if isinstance(value, str) and not ASCII_INT.fullmatch(value):
+        raise PydanticCustomError("int_parsing", "a whole number in ASCII digits (at most 19) is required")
+    return value
+
+
+ExperimentId = Annotated[int, BeforeValidator(ascii_int), Path(ge=1, le=INT64_MAX)]
+StepPath = Annotated[int, BeforeValidator(ascii_int), Path(ge=0, le=MAX_STEP)]
 _upload_locks: dict[int, asyncio.Lock] = {}
 
 
@@ -61,23 +79,24 @@ class JoinIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     public_key: str = Field(min_length=1, max_length=4096)
     username: str = Field(default="peer", min_length=1, max_length=200)
+    proof: str = Field(min_length=1, max_length=4096, description="base64 signature of the join proof by the key")
 
 
 class MetricsIn(BaseModel):
     """One aggregated global step, as the monitor posts it; evaluation results are optional."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    step: int = Field(ge=0)
-    loss: float | None
-    alive_peers: int = Field(ge=0)
-    samples: int = Field(ge=0)
-    samples_per_second: float = Field(ge=0)
-    time: float
-    eval_loss: float | None = None
-    eval_perplexity: float | None = None
-    eval_accuracy: float | None = None
-    eval_exact_match: float | None = None
-    eval_f1: float | None = None
+    step: int = Field(ge=0, le=MAX_STEP)
+    loss: float | None = Field(ge=-1e6, le=1e6)
+    alive_peers: int = Field(ge=0, le=100_000)
+    samples: int = Field(ge=0, le=10**15)
+    samples_per_second: float = Field(ge=0, le=1e9)
+    time: float = Field(ge=0, le=1e11)
+    eval_loss: float | None = Field(default=None, ge=-1e6, le=1e6)
+    eval_perplexity: float | None = Field(default=None, ge=0, le=1e30)
+    eval_accuracy: float | None = Field(default=None, ge=0, le=100)
+    eval_exact_match: float | None = Field(default=None, ge=0, le=100)
+    eval_f1: float | None = Field(default=None, ge=0, le=100)
 
 
 def store_of(request: Request) -> Store:
@@ -91,10 +110,17 @@ def find_experiment(request: Request, experiment_id: int) -> Experiment:
     return experiment
 
 
-def experiment_for_token(request: Request, experiment_id: int) -> Experiment:
-    """Dependency: the experiment, if the request carries its token (or the admin's)."""
+def for_members(request: Request, experiment_id: ExperimentId) -> Experiment:
+    """Dependency: the experiment, if the request carries its peer or monitor token (or the admin's)."""
     experiment = find_experiment(request, experiment_id)
-    check_experiment_access(request, experiment_id, experiment.token)
+    check_experiment_access(request, experiment, ANY_MEMBER)
+    return experiment
+
+
+def for_monitor(request: Request, experiment_id: ExperimentId) -> Experiment:
+    """Dependency: the experiment, if the request carries its monitor token (or the admin's)."""
+    experiment = find_experiment(request, experiment_id)
+    check_experiment_access(request, experiment, MONITOR_ONLY)
     return experiment
 
 
@@ -107,7 +133,7 @@ def config_or_422(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def experiment_json(request: Request, experiment: Experiment) -> dict[str, Any]:
-    """The experiment as the API returns it; its token only for the admin."""
+    """The experiment as the API returns it; its tokens only for the admin."""
     body = {
         "id": experiment.id,
         "name": experiment.name,
@@ -120,6 +146,7 @@ def experiment_json(request: Request, experiment: Experiment) -> dict[str, Any]:
     }
     if is_admin(request):
         body["token"] = experiment.token
+        body["monitor_token"] = experiment.monitor_token
     return body
 
 
@@ -149,13 +176,13 @@ def list_experiments(request: Request) -> list[dict[str, Any]]:
 
 
 @router.get("/experiments/{experiment_id}")
-def get_experiment(request: Request, experiment: Experiment = Depends(experiment_for_token)) -> dict[str, Any]:
-    """The experiment with its latest config and version list (experiment token or admin)."""
+def get_experiment(request: Request, experiment: Experiment = Depends(for_members)) -> dict[str, Any]:
+    """The experiment with its latest config and version list (peer or monitor token, or admin)."""
     return {**experiment_json(request, experiment), "versions": store_of(request).versions(experiment.id)}
 
 
 @router.put("/experiments/{experiment_id}", dependencies=[Depends(require_admin)])
-def update_experiment(experiment_id: int, body: ExperimentUpdate, request: Request) -> dict[str, Any]:
+def update_experiment(experiment_id: ExperimentId, body: ExperimentUpdate, request: Request) -> dict[str, Any]:
     """Save a new version of the config (admin); older versions stay readable with ?version=N."""
     experiment = find_experiment(request, experiment_id)
     config = config_or_422(body.config)
@@ -165,8 +192,8 @@ def update_experiment(experiment_id: int, body: ExperimentUpdate, request: Reque
 
 
 @router.post("/experiments/{experiment_id}/clone", status_code=201, dependencies=[Depends(require_admin)])
-def clone_experiment(experiment_id: int, body: CloneIn, request: Request) -> dict[str, Any]:
-    """A new experiment with the same config and a new token (admin)."""
+def clone_experiment(experiment_id: ExperimentId, body: CloneIn, request: Request) -> dict[str, Any]:
+    """A new experiment with the same config and new tokens (admin)."""
     source = find_experiment(request, experiment_id)
     return experiment_json(
         request, store_of(request).create_experiment(body.name or f"{source.name} (copy)", source.config)
@@ -174,15 +201,23 @@ def clone_experiment(experiment_id: int, body: CloneIn, request: Request) -> dic
 
 
 @router.post("/experiments/{experiment_id}/token", dependencies=[Depends(require_admin)])
-def rotate_token(experiment_id: int, request: Request) -> dict[str, str]:
-    """Issue a new experiment token (admin); the old one stops working at once."""
+def rotate_token(
+    experiment_id: ExperimentId, request: Request, role: Annotated[str, Query(pattern=f"^({PEER}|{MONITOR})$")] = PEER
+) -> dict[str, str]:
+    """Issue a new peer (default) or monitor token (admin); the old one stops working at once.
+
+    The experiment's authority key is replaced too, so DHT access tokens issued before stop verifying: restart the
+    monitor and every peer with the current tokens.
+    """
     find_experiment(request, experiment_id)
-    return {"token": store_of(request).rotate_token(experiment_id)}
+    return {"token": store_of(request).rotate_token(experiment_id, role), "role": role}
 
 
 @router.get("/experiments/{experiment_id}/config")
 def get_config(
-    request: Request, version: int | None = None, experiment: Experiment = Depends(experiment_for_token)
+    request: Request,
+    version: Annotated[int | None, BeforeValidator(ascii_int), Query(ge=1, le=INT64_MAX)] = None,
+    experiment: Experiment = Depends(for_members),
 ) -> dict[str, Any]:
     """The JSON config for ``run_trainer.py --config URL`` and ``run_training_monitor.py --config URL``."""
     if version is None:
@@ -194,23 +229,34 @@ def get_config(
 
 
 @router.post("/experiments/{experiment_id}/join")
-def join(body: JoinIn, request: Request, experiment: Experiment = Depends(experiment_for_token)) -> dict[str, Any]:
-    """A signed, expiring access token for this peer's public key (experiment token), and the authority's key.
+def join(body: JoinIn, request: Request, experiment: Experiment = Depends(for_members)) -> dict[str, Any]:
+    """A signed, expiring access token for this peer's public key (peer or monitor token), and the authority's key.
 
-    Peers started with ``--authorization_url`` call this and accept DHT requests only from token holders.
+    ``proof`` is the key's signature of the join proof (collab/access.py), so a token is only issued to the holder
+    of the private key. Peers started with ``--authorization_url`` call this and accept DHT requests only from
+    token holders.
     """
     try:
         peer_key = base64.b64decode(body.public_key, validate=True)
+        if not verify_join_proof(peer_key, body.username, base64.b64decode(body.proof, validate=True)):
+            raise ValueError("the proof is not this key's signature")
         authority = load_authority_key(store_of(request).authority_key(experiment.id, new_authority_key))
         token = issue_token(authority, peer_key, body.username, request.app.state.settings.access_token_lifetime)
     except ValueError:
         raise HTTPException(
-            422, [{"type": "value_error", "loc": ["body", "public_key"], "msg": "not a base64 RSA public key"}]
+            422,
+            [
+                {
+                    "type": "value_error",
+                    "loc": ["body", "public_key"],
+                    "msg": "not a base64 RSA public key with a matching base64 proof signature",
+                }
+            ],
         ) from None
     logger.info(
         "Issued an access token for experiment %d to %s (until %s)",
         experiment.id,
-        body.username,
+        printable(body.username),
         token.expiration_time,
     )
     return {
@@ -220,20 +266,26 @@ def join(body: JoinIn, request: Request, experiment: Experiment = Depends(experi
 
 
 @router.post("/experiments/{experiment_id}/metrics")
-def post_metrics(
-    body: MetricsIn, request: Request, experiment: Experiment = Depends(experiment_for_token)
-) -> dict[str, Any]:
-    """One aggregated global step from the monitor (experiment token); posting a step again replaces it."""
+def post_metrics(body: MetricsIn, request: Request, experiment: Experiment = Depends(for_monitor)) -> dict[str, Any]:
+    """One aggregated global step from the monitor (monitor token); posting a step again replaces it."""
     record = body.model_dump()
     store_of(request).put_metrics(experiment.id, record)
     return record
 
 
 @router.get("/experiments/{experiment_id}/metrics")
-def get_metrics(experiment_id: int, request: Request, after: int = -1) -> list[dict[str, Any]]:
-    """Every reported step after ``after``, ordered by step (public: the dashboard polls it)."""
+def get_metrics(
+    experiment_id: ExperimentId,
+    request: Request,
+    after: Annotated[int, BeforeValidator(ascii_int), Query(ge=-1, le=MAX_STEP)] = -1,
+    limit: Annotated[int, BeforeValidator(ascii_int), Query(ge=1, le=MAX_METRICS_PAGE)] = MAX_METRICS_PAGE,
+) -> list[dict[str, Any]]:
+    """Up to ``limit`` reported steps after ``after``, ordered by step (public: the dashboard polls it).
+
+    A full page means there may be more: ask again with ``after`` set to the last step received.
+    """
     find_experiment(request, experiment_id)
-    return store_of(request).metrics(experiment_id, after)
+    return store_of(request).metrics(experiment_id, after, limit)
 
 
 def _upload_fields(fields: dict[str, str]) -> tuple[int, float | None, str]:
@@ -242,8 +294,10 @@ def _upload_fields(fields: dict[str, str]) -> tuple[int, float | None, str]:
         errors.append({"type": "extra_forbidden", "loc": ["body", name], "msg": "Extra inputs are not permitted"})
     step_text, loss_text = fields.get("step", "").strip(), fields.get("loss", "").strip()
     sha256 = fields.get("sha256", "").strip().lower()
-    if not (step_text.isdigit() and len(step_text) < 16):
-        errors.append({"type": "int_parsing", "loc": ["body", "step"], "msg": "step: a whole number >= 0 is required"})
+    if not (ASCII_INT.fullmatch(step_text) and 0 <= int(step_text) <= MAX_STEP):
+        errors.append(
+            {"type": "int_parsing", "loc": ["body", "step"], "msg": f"step: a whole number 0..{MAX_STEP} is required"}
+        )
     loss = None
     if loss_text:
         try:
@@ -260,11 +314,13 @@ def _upload_fields(fields: dict[str, str]) -> tuple[int, float | None, str]:
 
 
 @router.post("/experiments/{experiment_id}/checkpoints", status_code=201)
-async def upload_checkpoint(request: Request, experiment: Experiment = Depends(experiment_for_token)) -> dict:
-    """Upload ``checkpoint-<step>.tar.gz`` (multipart: step, loss, sha256, file ``archive``; experiment token).
+async def upload_checkpoint(request: Request, experiment: Experiment = Depends(for_monitor)) -> dict:
+    """Upload ``checkpoint-<step>.tar.gz`` (multipart: step, loss, sha256, file ``archive``; monitor token).
 
     Streamed to the data folder, bounded by --max_upload_mb (413), checked against ``sha256`` (400, nothing
-    stored), renamed into place atomically; uploading the same step again replaces it.
+    stored), renamed into place atomically. A stored checkpoint is never replaced: the same step again is 409
+    (200 if it is the same archive, as after a retry); so is a step older than all --keep_checkpoints kept ones.
+    The app keeps the newest --keep_checkpoints and deletes older archives.
     """
     settings = request.app.state.settings
     folder = settings.upload_dir / "experiments" / str(experiment.id)
@@ -279,14 +335,45 @@ async def upload_checkpoint(request: Request, experiment: Experiment = Depends(e
         final = folder / f"checkpoint-{step}.tar.gz"
         checkpoint = Checkpoint(step, loss, received.size, sha256, str(final), time.time())
         async with _upload_locks.setdefault(experiment.id, asyncio.Lock()):
+            kept = await run_in_threadpool(store_of(request).checkpoints, experiment.id)
+            existing = next((c for c in kept if c.step == step), None)
+            if existing is not None and existing.sha256 == sha256:
+                return JSONResponse(_upload_json(experiment.id, existing), 200)
+            _refuse_replacement(step, existing, kept, settings.keep_checkpoints)
             os.replace(received.path, final)
             await run_in_threadpool(_fsync_dir, folder)
-            await run_in_threadpool(store_of(request).put_checkpoint, experiment.id, checkpoint)
+            forgotten = await run_in_threadpool(
+                store_of(request).put_checkpoint, experiment.id, checkpoint, settings.keep_checkpoints
+            )
+            await run_in_threadpool(_delete_archives, folder, forgotten)
     finally:
         received.path.unlink(missing_ok=True)
-    body = checkpoint_json(experiment.id, checkpoint)
+    return _upload_json(experiment.id, checkpoint)
+
+
+def _upload_json(experiment_id: int, checkpoint: Checkpoint) -> dict[str, Any]:
+    body = checkpoint_json(experiment_id, checkpoint)
     body.pop("time")
     return body
+
+
+def _refuse_replacement(step: int, existing: Checkpoint | None, kept: list[Checkpoint], keep: int) -> None:
+    """409 for a step already stored with another archive, or older than every one of ``keep`` kept checkpoints."""
+    if existing is not None:
+        raise HTTPException(409, f"a different checkpoint of step {step} is already stored; it is never replaced")
+    if len(kept) >= keep and step < kept[0].step:
+        raise HTTPException(
+            409, f"step {step} is older than the {keep} kept checkpoints (oldest: step {kept[0].step}); not stored"
+        )
+
+
+def _delete_archives(folder, forgotten: list[Checkpoint]) -> None:
+    """Delete archives the store no longer lists, durably (the folder is synced after the unlinks)."""
+    for checkpoint in forgotten:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(checkpoint.path)
+    if forgotten:
+        _fsync_dir(folder)
 
 
 def _fsync_dir(folder) -> None:
@@ -298,7 +385,7 @@ def _fsync_dir(folder) -> None:
 
 
 @router.get("/experiments/{experiment_id}/checkpoints")
-def list_checkpoints(experiment_id: int, request: Request) -> list[dict[str, Any]]:
+def list_checkpoints(experiment_id: ExperimentId, request: Request) -> list[dict[str, Any]]:
     """Uploaded checkpoints ordered by step (public); ``url`` downloads one with the token or an admin session."""
     find_experiment(request, experiment_id)
     return [checkpoint_json(experiment_id, c) for c in store_of(request).checkpoints(experiment_id)]
@@ -306,9 +393,9 @@ def list_checkpoints(experiment_id: int, request: Request) -> list[dict[str, Any
 
 @router.get("/experiments/{experiment_id}/checkpoints/{step}/archive")
 def download_checkpoint(
-    step: int, request: Request, experiment: Experiment = Depends(experiment_for_token)
+    step: StepPath, request: Request, experiment: Experiment = Depends(for_members)
 ) -> FileResponse:
-    """The archive of one checkpoint (experiment token or admin)."""
+    """The archive of one checkpoint (peer or monitor token, or admin)."""
     checkpoint = store_of(request).checkpoint(experiment.id, step)
     if checkpoint is None or not os.path.exists(checkpoint.path):
         raise HTTPException(404, f"experiment {experiment.id} has no checkpoint at step {step}")

@@ -114,7 +114,8 @@ def create_app(settings: WebSettings) -> FastAPI:
         title="collab-train experiments",
         description="Configure collaborative training experiments, serve their configs to peers and the monitor, "
         "collect the monitor's metrics and checkpoints. Send `Authorization: Bearer <token>`: the admin token "
-        "for creating and editing, an experiment's token for its config, metrics and checkpoints.",
+        "for creating and editing, an experiment's peer token for its config and /join, its monitor token for "
+        "that and posting metrics and checkpoints.",
         docs_url=None,
         redoc_url=None,
     )

@@ -14,22 +14,26 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from arguments import ConfigError
-from web.auth import SESSION_COOKIE, SESSION_MAX_AGE, is_admin, same, session_value
+from web.api import ExperimentId
+from web.auth import SESSION_COOKIE, SESSION_MAX_AGE, is_admin, new_session_id, same, session_key
 from web.forms import config_from_form, display_values, form_sections, validated_config
-from web.store import Experiment, Store
+from web.store import MONITOR, PEER, Experiment, Store
 
 router = APIRouter(include_in_schema=False)
 SECTIONS = form_sections()
 MAX_NAME_CHARS = 200
 
 
-def join_commands(base_url: str, experiment_id: int, token: str) -> dict[str, str]:
-    """The commands the experiment page shows, ready to paste: peers, the monitor, the monitor with uploads."""
+def join_commands(base_url: str, experiment_id: int, peer_token: str, monitor_token: str) -> dict[str, str]:
+    """The commands the experiment page shows, ready to paste: peers (peer token), the monitor (monitor token)."""
     api = f"{base_url}/api/experiments/{experiment_id}"
-    common = f"--config {shlex.quote(api + '/config')} --config_token {shlex.quote(token)}"
-    monitor = f"python run_training_monitor.py {common} --report_url {shlex.quote(api + '/metrics')}"
+    config = f"--config {shlex.quote(api + '/config')}"
+    monitor = (
+        f"python run_training_monitor.py {config} --config_token {shlex.quote(monitor_token)} "
+        f"--report_url {shlex.quote(api + '/metrics')}"
+    )
     return {
-        "trainer": f"python run_trainer.py {common}",
+        "trainer": f"python run_trainer.py {config} --config_token {shlex.quote(peer_token)}",
         "monitor": monitor,
         "monitor_with_uploads": f"{monitor} --store_checkpoints --upload_interval 60 "
         f"--upload_to {shlex.quote(api + '/checkpoints')}",
@@ -78,10 +82,12 @@ async def login(request: Request) -> Response:
     admin_token = request.app.state.settings.admin_token
     if not same(str(form.get("token", "")), admin_token):
         return _render(request, "login.html", 403, next=target, error="Wrong admin token.")
+    session_id = new_session_id()
+    _store(request).add_session(session_key(admin_token, session_id), SESSION_MAX_AGE)
     response = RedirectResponse(target, 303)
     response.set_cookie(
         SESSION_COOKIE,
-        session_value(admin_token),
+        session_id,
         max_age=SESSION_MAX_AGE,
         httponly=True,
         samesite="strict",
@@ -91,7 +97,11 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/logout")
-def logout() -> Response:
+def logout(request: Request) -> Response:
+    """End the session on the server too: a copy of the cookie stops working."""
+    session_id = request.cookies.get(SESSION_COOKIE)
+    if session_id:
+        _store(request).end_session(session_key(request.app.state.settings.admin_token, session_id))
     response = RedirectResponse("/", 303)
     response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
     return response
@@ -166,7 +176,7 @@ async def create(request: Request) -> Response:
 
 
 @router.get("/experiments/{experiment_id}/edit", response_class=HTMLResponse)
-def edit_form(experiment_id: int, request: Request) -> Response:
+def edit_form(experiment_id: ExperimentId, request: Request) -> Response:
     if not is_admin(request):
         return _login_redirect(request)
     experiment = _experiment_or_404(request, experiment_id)
@@ -174,7 +184,7 @@ def edit_form(experiment_id: int, request: Request) -> Response:
 
 
 @router.post("/experiments/{experiment_id}/edit")
-async def edit(experiment_id: int, request: Request) -> Response:
+async def edit(experiment_id: ExperimentId, request: Request) -> Response:
     _require_admin_session(request)
     experiment = _experiment_or_404(request, experiment_id)
     return await _save_form(
@@ -183,7 +193,7 @@ async def edit(experiment_id: int, request: Request) -> Response:
 
 
 @router.get("/experiments/{experiment_id}/clone", response_class=HTMLResponse)
-def clone_form(experiment_id: int, request: Request) -> Response:
+def clone_form(experiment_id: ExperimentId, request: Request) -> Response:
     if not is_admin(request):
         return _login_redirect(request)
     experiment = _experiment_or_404(request, experiment_id)
@@ -192,15 +202,18 @@ def clone_form(experiment_id: int, request: Request) -> Response:
 
 
 @router.post("/experiments/{experiment_id}/token")
-def rotate(experiment_id: int, request: Request) -> Response:
+async def rotate(experiment_id: ExperimentId, request: Request) -> Response:
     _require_admin_session(request)
     _experiment_or_404(request, experiment_id)
-    _store(request).rotate_token(experiment_id)
+    role = (await request.form()).get("role", PEER)
+    if role not in (PEER, MONITOR):
+        raise HTTPException(422, f"role: {PEER} or {MONITOR}")
+    _store(request).rotate_token(experiment_id, role)
     return RedirectResponse(f"/experiments/{experiment_id}", 303)
 
 
 @router.get("/experiments/{experiment_id}", response_class=HTMLResponse)
-def experiment_page(experiment_id: int, request: Request) -> HTMLResponse:
+def experiment_page(experiment_id: ExperimentId, request: Request) -> HTMLResponse:
     """The dashboard (anyone) plus, for the admin, the token, the join commands and the edit/clone buttons."""
     experiment = _experiment_or_404(request, experiment_id)
     admin = is_admin(request)
@@ -210,7 +223,7 @@ def experiment_page(experiment_id: int, request: Request) -> HTMLResponse:
         "experiment.html",
         experiment=experiment,
         admin=admin,
-        commands=join_commands(base_url, experiment.id, experiment.token) if admin else None,
+        commands=join_commands(base_url, experiment.id, experiment.token, experiment.monitor_token) if admin else None,
         versions=_store(request).versions(experiment.id) if admin else [],
         max_steps=int(experiment.config.get("max_steps") or 0),
     )

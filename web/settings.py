@@ -8,7 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from web.store import StoreError, check_database
+
 MIN_ADMIN_TOKEN_CHARS = 8
+MAX_KEEP_CHECKPOINTS = 1000
 
 
 class SettingsError(ValueError):
@@ -26,6 +29,7 @@ class WebSettings:
     max_upload_mb: int = 4096
     max_request_kb: int = 1024
     access_token_lifetime: float = 3600.0
+    keep_checkpoints: int = 5
 
     @property
     def upload_dir(self) -> Path:
@@ -64,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
         help="Seconds an access token issued by /api/experiments/ID/join stays valid (peers refresh it)",
     )
     parser.add_argument(
+        "--keep_checkpoints",
+        type=int,
+        default=5,
+        help=f"Uploaded checkpoints kept per experiment (1..{MAX_KEEP_CHECKPOINTS}); older archives are deleted",
+    )
+    parser.add_argument(
         "--public_url",
         default=None,
         help="URL peers use to reach this app, shown in the join commands (default: http://HOST:PORT)",
@@ -85,6 +95,14 @@ def parse_web_args(argv: Sequence[str] | None = None, environ: dict | None = Non
     for flag in ("port", "max_upload_mb", "max_request_kb", "access_token_lifetime"):
         if getattr(args, flag) <= 0:
             raise SettingsError(f"--{flag}: must be a positive number (got {getattr(args, flag)})")
+    if not 1 <= args.keep_checkpoints <= MAX_KEEP_CHECKPOINTS:
+        raise SettingsError(f"--keep_checkpoints: must be 1..{MAX_KEEP_CHECKPOINTS} (got {args.keep_checkpoints})")
+    if not 10 <= args.access_token_lifetime <= 7 * 24 * 3600:
+        raise SettingsError(f"--access_token_lifetime: must be 10..604800 seconds (got {args.access_token_lifetime})")
+    try:
+        check_database(args.db)
+    except StoreError as e:
+        raise SettingsError(f"--db: {e}") from None
     if args.public_url and not args.public_url.startswith(("http://", "https://")):
         raise SettingsError(f"--public_url: must be an http(s):// URL (got {args.public_url!r})")
     return WebSettings(**{**vars(args), "admin_token": token})

@@ -3,6 +3,11 @@
 One connection per operation and one transaction per write (WAL journal, synchronous=FULL): once a request is
 answered, its write survives a restart or a power cut. The file holds the experiment tokens in clear (the admin
 must be able to read them back), so it is created readable by its owner only.
+
+Each experiment has two tokens: the *peer token* (read the config, join the DHT) and the *monitor token* (also post
+metrics and upload checkpoints). A database from before the split is migrated on open: the old single token, which
+every peer was given, becomes the peer token, and a fresh monitor token is generated (the monitor must be restarted
+with it: the old token can no longer post metrics).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,8 @@ CREATE TABLE IF NOT EXISTS experiments (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT NOT NULL,
     token TEXT NOT NULL,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    monitor_token TEXT
 );
 CREATE TABLE IF NOT EXISTS versions (
     experiment_id INTEGER NOT NULL REFERENCES experiments(id),
@@ -52,7 +58,31 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     time REAL NOT NULL,
     PRIMARY KEY (experiment_id, step)
 );
+CREATE TABLE IF NOT EXISTS sessions (
+    key TEXT PRIMARY KEY,
+    created REAL NOT NULL
+);
 """
+INT64_MAX = 2**63 - 1
+PEER, MONITOR = "peer", "monitor"
+TOKEN_COLUMNS = {PEER: "token", MONITOR: "monitor_token"}
+
+
+class StoreError(ValueError):
+    """The database file cannot be used; the message names the file and what to do."""
+
+
+def check_database(path: Path) -> None:
+    """Raise StoreError unless ``path`` is missing (it will be created) or an intact SQLite database."""
+    if not path.exists():
+        return
+    try:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as conn:
+            (result,) = conn.execute("PRAGMA quick_check").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path} is not a readable SQLite database ({e}); restore it from a backup") from None
+    if result != "ok":
+        raise StoreError(f"{path} is damaged (SQLite quick_check: {result[:200]}); restore it from a backup")
 
 
 def new_token() -> str:
@@ -64,6 +94,7 @@ class Experiment:
     id: int
     name: str
     token: str
+    monitor_token: str
     created: float
     version: int
     updated: float
@@ -91,6 +122,17 @@ class Store:
         with self._reader() as conn:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Databases from before the peer/monitor split: add the column, give each experiment a monitor token."""
+        with self._transaction() as conn:
+            columns = {row["name"] for row in conn.execute("PRAGMA table_info(experiments)")}
+            if "monitor_token" not in columns:
+                conn.execute("ALTER TABLE experiments ADD COLUMN monitor_token TEXT")
+            missing = conn.execute("SELECT id FROM experiments WHERE monitor_token IS NULL").fetchall()
+            for row in missing:
+                conn.execute("UPDATE experiments SET monitor_token = ? WHERE id = ?", (new_token(), row["id"]))
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=30)
@@ -126,7 +168,8 @@ class Store:
         now = time.time()
         with self._transaction() as conn:
             cursor = conn.execute(
-                "INSERT INTO experiments (name, token, created) VALUES (?, ?, ?)", (name, new_token(), now)
+                "INSERT INTO experiments (name, token, monitor_token, created) VALUES (?, ?, ?, ?)",
+                (name, new_token(), new_token(), now),
             )
             conn.execute(
                 "INSERT INTO versions (experiment_id, version, config, created) VALUES (?, 1, ?, ?)",
@@ -148,17 +191,23 @@ class Store:
             conn.execute("UPDATE experiments SET name = ? WHERE id = ?", (name, experiment_id))
         return self.experiment(experiment_id)
 
-    def rotate_token(self, experiment_id: int) -> str:
+    def rotate_token(self, experiment_id: int, role: str) -> str:
+        """A new token for ``role`` (PEER or MONITOR) and a new authority key.
+
+        Both roles can get DHT access tokens, so the authority key that signed them goes too: access tokens issued
+        before stop verifying for peers that hold the new authority key.
+        """
         token = new_token()
         with self._transaction() as conn:
-            conn.execute("UPDATE experiments SET token = ? WHERE id = ?", (token, experiment_id))
+            conn.execute(f"UPDATE experiments SET {TOKEN_COLUMNS[role]} = ? WHERE id = ?", (token, experiment_id))
+            conn.execute("DELETE FROM authority_keys WHERE experiment_id = ?", (experiment_id,))
         return token
 
     def experiment(self, experiment_id: int, version: int | None = None) -> Experiment | None:
         """The experiment with its latest config (or the given version); None if either does not exist."""
         with self._reader() as conn:
             row = conn.execute(
-                "SELECT e.id, e.name, e.token, e.created, v.version, v.created AS updated, v.config "
+                "SELECT e.id, e.name, e.token, e.monitor_token, e.created, v.version, v.created AS updated, v.config "
                 "FROM experiments e JOIN versions v ON v.experiment_id = e.id WHERE e.id = ? "
                 + ("AND v.version = ?" if version is not None else "ORDER BY v.version DESC LIMIT 1"),
                 (experiment_id, version) if version is not None else (experiment_id,),
@@ -193,19 +242,25 @@ class Store:
                 (experiment_id, record["step"], json.dumps(record)),
             )
 
-    def metrics(self, experiment_id: int, after: int = -1) -> list[dict[str, Any]]:
+    def metrics(self, experiment_id: int, after: int = -1, limit: int = -1) -> list[dict[str, Any]]:
+        """Steps after ``after`` in step order, at most ``limit`` of them (-1: all)."""
         with self._reader() as conn:
             rows = conn.execute(
-                "SELECT record FROM metrics WHERE experiment_id = ? AND step > ? ORDER BY step", (experiment_id, after)
+                "SELECT record FROM metrics WHERE experiment_id = ? AND step > ? ORDER BY step LIMIT ?",
+                (experiment_id, after, limit),
             ).fetchall()
         return [json.loads(row["record"]) for row in rows]
 
     # checkpoints
 
-    def put_checkpoint(self, experiment_id: int, checkpoint: Checkpoint) -> None:
+    def put_checkpoint(self, experiment_id: int, checkpoint: Checkpoint, keep: int) -> list[Checkpoint]:
+        """Add a checkpoint (its step must be new) and forget all but the ``keep`` newest; returns the forgotten.
+
+        The caller deletes the forgotten files after this returns: a listed checkpoint always has its file.
+        """
         with self._transaction() as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO checkpoints (experiment_id, step, loss, size, sha256, path, time) "
+                "INSERT INTO checkpoints (experiment_id, step, loss, size, sha256, path, time) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     experiment_id,
@@ -217,6 +272,17 @@ class Store:
                     checkpoint.time,
                 ),
             )
+            rows = conn.execute(
+                "SELECT step, loss, size, sha256, path, time FROM checkpoints WHERE experiment_id = ? "
+                "ORDER BY step DESC LIMIT -1 OFFSET ?",
+                (experiment_id, keep),
+            ).fetchall()
+            forgotten = [Checkpoint(**dict(row)) for row in rows]
+            conn.executemany(
+                "DELETE FROM checkpoints WHERE experiment_id = ? AND step = ?",
+                [(experiment_id, c.step) for c in forgotten],
+            )
+        return forgotten
 
     def checkpoints(self, experiment_id: int) -> list[Checkpoint]:
         with self._reader() as conn:
@@ -244,3 +310,21 @@ class Store:
             key = new_key()
             db.execute("INSERT INTO authority_keys (experiment_id, private_key) VALUES (?, ?)", (experiment_id, key))
             return key
+
+    # admin sessions
+
+    def add_session(self, key: str, max_age: float) -> None:
+        """Remember a session (by its keyed hash, never the cookie itself); drops sessions older than ``max_age``."""
+        now = time.time()
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM sessions WHERE created < ?", (now - max_age,))
+            conn.execute("INSERT INTO sessions (key, created) VALUES (?, ?)", (key, now))
+
+    def session_is_live(self, key: str, max_age: float) -> bool:
+        with self._reader() as conn:
+            row = conn.execute("SELECT created FROM sessions WHERE key = ?", (key,)).fetchone()
+        return row is not None and time.time() - row["created"] < max_age
+
+    def end_session(self, key: str) -> None:
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM sessions WHERE key = ?", (key,))

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
+import logging
 
+import pytest
 from fastapi.testclient import TestClient
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from arguments import OptimizerArguments
-from tests.web.helpers import ADMIN, bearer
+from collab.access import is_token_valid, sign_join_proof, token_from_json
+from tests.web.helpers import ADMIN, ADMIN_TOKEN, bearer
 from web.app import create_app
+from web.settings import WebSettings
 
 NO_ADMIN = {"detail": "admin token required: send Authorization: Bearer <admin token>"}
 WRONG_ADMIN = {"detail": "wrong admin token"}
@@ -33,7 +39,7 @@ def upload(client, experiment, step=4, data=b"checkpoint bytes", sha256=None, to
         f"/api/experiments/{experiment['id']}/checkpoints",
         data={"step": str(step), "loss": loss, "sha256": sha256},
         files={"archive": (f"checkpoint-{step}.tar.gz", io.BytesIO(data), "application/gzip")},
-        headers=bearer(token or experiment["token"]),
+        headers=bearer(token or experiment["monitor_token"]),
     )
 
 
@@ -86,7 +92,7 @@ def test_config_needs_the_experiment_token(client, experiment):
     missing = client.get(url)
     assert (missing.status_code, missing.json()) == (
         401,
-        {"detail": "token required: send Authorization: Bearer <token of experiment 1>"},
+        {"detail": "token required: send Authorization: Bearer <peer or monitor token of experiment 1>"},
     )
     wrong = client.get(url, headers=bearer("guess"))
     assert (wrong.status_code, wrong.json()) == (403, {"detail": "wrong token for experiment 1"})
@@ -125,7 +131,7 @@ def test_rotating_the_token_locks_out_the_old_one(client, experiment):
 
 def test_metrics_are_stored_by_step_and_reposting_replaces(client, experiment):
     url = f"/api/experiments/{experiment['id']}/metrics"
-    token = bearer(experiment["token"])
+    token = bearer(experiment["monitor_token"])
     for step in (3, 1, 2):
         assert client.post(url, json=metrics(step), headers=token).status_code == 200
     response = client.post(url, json=metrics(2, loss=None, eval_loss=2.5), headers=token)
@@ -144,7 +150,7 @@ def test_metrics_are_stored_by_step_and_reposting_replaces(client, experiment):
 
 def test_bad_metrics_are_422_and_wrong_tokens_store_nothing(client, experiment):
     url = f"/api/experiments/{experiment['id']}/metrics"
-    token = bearer(experiment["token"])
+    token = bearer(experiment["monitor_token"])
     extra = client.post(url, json=metrics(1, gpu="h100"), headers=token)
     assert extra.status_code == 422
     assert extra.json() == {
@@ -175,11 +181,16 @@ def test_checkpoint_upload_list_and_download(client, experiment, settings):
     sha = hashlib.sha256(b"v1").hexdigest()
     assert response.json() == {"step": 4, "loss": 3.25, "size": 2, "sha256": sha, "url": url}
     replaced = upload(client, experiment, data=b"version 2", loss="")
-    assert replaced.status_code == 201
+    assert (replaced.status_code, replaced.json()) == (
+        409,
+        {"detail": "a different checkpoint of step 4 is already stored; it is never replaced"},
+    )
+    retried = upload(client, experiment, data=b"v1")
+    assert (retried.status_code, retried.json()) == (200, response.json())
     (listed,) = client.get("/api/experiments/1/checkpoints").json()
-    assert (listed["step"], listed["loss"], listed["size"], listed["url"]) == (4, None, 9, url)
+    assert (listed["step"], listed["loss"], listed["size"], listed["url"]) == (4, 3.25, 2, url)
     download = client.get(url, headers=bearer(experiment["token"]))
-    assert download.content == b"version 2"
+    assert download.content == b"v1"
     assert download.headers["content-disposition"] == 'attachment; filename="checkpoint-4.tar.gz"'
     assert client.get(url).status_code == 401
     assert client.get(url, headers=bearer("x")).status_code == 403
@@ -208,7 +219,7 @@ def test_request_bodies_are_bounded(client):
 
 
 def test_everything_survives_a_restart(settings, experiment, client):
-    client.post("/api/experiments/1/metrics", json=metrics(1), headers=bearer(experiment["token"]))
+    client.post("/api/experiments/1/metrics", json=metrics(1), headers=bearer(experiment["monitor_token"]))
     with TestClient(create_app(settings)) as restarted:
         assert restarted.get("/api/experiments/1/config", headers=ADMIN).json() == experiment["config"]
         assert [r["step"] for r in restarted.get("/api/experiments/1/metrics").json()] == [1]
@@ -226,3 +237,158 @@ def test_openapi_and_docs_are_served_locally(client):
     assert "/static/swagger/swagger-ui-bundle.js" in docs and "cdn" not in docs.lower()
     assert client.get("/static/swagger/swagger-ui-bundle.js").status_code == 200
     assert "script-src 'self'" in client.get("/").headers["content-security-policy"]
+
+
+def test_the_peer_token_cannot_post_metrics_or_upload(client, experiment):
+    peer = experiment["token"]
+    refused = client.post("/api/experiments/1/metrics", json=metrics(1), headers=bearer(peer))
+    assert (refused.status_code, refused.json()) == (
+        403,
+        {"detail": "the peer token cannot do this: use the monitor token of experiment 1"},
+    )
+    assert upload(client, experiment, token=peer).status_code == 403
+    assert client.get("/api/experiments/1/metrics").json() == []
+    assert client.get("/api/experiments/1/checkpoints").json() == []
+    monitor = experiment["monitor_token"]
+    assert client.get("/api/experiments/1/config", headers=bearer(monitor)).status_code == 200
+    assert client.post("/api/experiments/1/token", headers=bearer(monitor)).status_code == 403
+
+
+def test_rotating_the_monitor_token_keeps_the_peer_token(client, experiment):
+    rotated = client.post("/api/experiments/1/token?role=monitor", headers=ADMIN).json()
+    assert rotated["role"] == "monitor" and rotated["token"] != experiment["monitor_token"]
+    assert (
+        client.post(
+            "/api/experiments/1/metrics", json=metrics(1), headers=bearer(experiment["monitor_token"])
+        ).status_code
+        == 403
+    )
+    assert (
+        client.post("/api/experiments/1/metrics", json=metrics(1), headers=bearer(rotated["token"])).status_code == 200
+    )
+    assert client.get("/api/experiments/1/config", headers=bearer(experiment["token"])).status_code == 200
+    assert client.post("/api/experiments/1/token?role=owner", headers=ADMIN).status_code == 422
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("alive_peers", 999_999),
+        ("samples_per_second", 1e300),
+        ("samples", 10**16),
+        ("step", 10**13),
+        ("loss", 1e300),
+        ("time", 1e300),
+        ("eval_accuracy", 101.0),
+    ],
+)
+def test_metrics_beyond_their_bounds_are_422(client, experiment, field, value):
+    response = client.post(
+        "/api/experiments/1/metrics", json={**metrics(1), field: value}, headers=bearer(experiment["monitor_token"])
+    )
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", field]
+    assert client.get("/api/experiments/1/metrics").json() == []
+
+
+def test_only_the_newest_checkpoints_are_kept_and_their_files_deleted(tmp_path):
+    settings = WebSettings(admin_token=ADMIN_TOKEN, db=tmp_path / "e.sqlite", max_request_kb=64, keep_checkpoints=2)
+    with TestClient(create_app(settings)) as client:
+        experiment = client.post("/api/experiments", json={"name": "k"}, headers=ADMIN).json()
+        for step in (2, 4, 6):
+            assert upload(client, experiment, step=step, data=f"archive {step}".encode()).status_code == 201
+        assert [c["step"] for c in client.get("/api/experiments/1/checkpoints").json()] == [4, 6]
+        folder = settings.upload_dir / "experiments" / "1"
+        assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-4.tar.gz", "checkpoint-6.tar.gz"]
+        old = upload(client, experiment, step=3, data=b"late")
+        assert old.status_code == 409 and "older than the 2 kept checkpoints" in old.json()["detail"]
+        assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-4.tar.gz", "checkpoint-6.tar.gz"]
+
+
+HUGE = "99999999999999999999999"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/api/experiments/{HUGE}",
+        f"/api/experiments/{HUGE}/config",
+        f"/api/experiments/{HUGE}/metrics",
+        f"/api/experiments/{HUGE}/checkpoints",
+        "/api/experiments/9223372036854775808/metrics",
+        "/api/experiments/\u0661\u0662\u0663/config",
+        "/api/experiments/-1/config",
+        "/api/experiments/0/config",
+        f"/api/experiments/1/checkpoints/{HUGE}/archive",
+        "/api/experiments/1/checkpoints/-1/archive",
+        "/api/experiments/1/checkpoints/\u0664/archive",
+        f"/api/experiments/1/config?version={HUGE}",
+        "/api/experiments/1/config?version=0",
+        "/api/experiments/1/config?version=\u0661",
+        f"/api/experiments/1/metrics?after={HUGE}",
+        "/api/experiments/1/metrics?after=-2",
+        "/api/experiments/1/metrics?after=+1",
+        "/api/experiments/1/metrics?after=\u0661",
+        "/api/experiments/1/metrics?limit=0",
+        "/api/experiments/1/metrics?limit=1001",
+        f"/experiments/{HUGE}",
+        f"/experiments/{HUGE}/edit",
+        "/experiments/\u0661/clone",
+    ],
+)
+def test_numbers_out_of_range_or_not_ascii_are_4xx(client, experiment, path):
+    response = client.get(path, headers=ADMIN)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+
+
+def test_out_of_range_numbers_in_posts_are_4xx(client, experiment):
+    for path in (
+        f"/api/experiments/{HUGE}/metrics",
+        f"/api/experiments/{HUGE}/token",
+        f"/api/experiments/{HUGE}/join",
+    ):
+        assert 400 <= client.post(path, json={}, headers=ADMIN).status_code < 500
+    assert client.put(f"/api/experiments/{HUGE}", json={"config": {}}, headers=ADMIN).status_code == 422
+    assert upload(client, experiment, step=HUGE).status_code == 422
+    assert upload(client, experiment, step="\u0661\u0662").status_code == 422
+
+
+def test_metrics_are_paged(client, experiment):
+    token = bearer(experiment["monitor_token"])
+    for step in range(5):
+        client.post("/api/experiments/1/metrics", json=metrics(step), headers=token)
+    first = client.get("/api/experiments/1/metrics?limit=2").json()
+    rest = client.get("/api/experiments/1/metrics?limit=2&after=1").json()
+    assert [r["step"] for r in first] == [0, 1] and [r["step"] for r in rest] == [2, 3]
+
+
+def join_body(key: RSAPrivateKey, username: str = "peer") -> dict:
+    return {
+        "public_key": base64.b64encode(key.get_public_key().to_bytes()).decode(),
+        "username": username,
+        "proof": base64.b64encode(sign_join_proof(key, username)).decode(),
+    }
+
+
+def test_join_needs_the_keys_own_proof_and_rotation_revokes_issued_tokens(client, experiment):
+    url, peer = "/api/experiments/1/join", bearer(experiment["token"])
+    key, outsider = RSAPrivateKey(), RSAPrivateKey()
+    first = client.post(url, json=join_body(key), headers=peer).json()
+    authority = RSAPublicKey.from_bytes(base64.b64decode(first["authority_public_key"]))
+    assert is_token_valid(token_from_json(first["access_token"]), authority)
+    borrowed = {**join_body(key), "public_key": join_body(outsider)["public_key"]}  # someone else's key
+    assert client.post(url, json=borrowed, headers=peer).status_code == 422
+    new_peer_token = client.post("/api/experiments/1/token", headers=ADMIN).json()["token"]
+    assert client.post(url, json=join_body(key), headers=peer).status_code == 403
+    second = client.post(url, json=join_body(key), headers=bearer(new_peer_token)).json()
+    new_authority = RSAPublicKey.from_bytes(base64.b64decode(second["authority_public_key"]))
+    assert not is_token_valid(token_from_json(first["access_token"]), new_authority)
+    assert is_token_valid(token_from_json(second["access_token"]), new_authority)
+
+
+def test_a_username_cannot_forge_log_lines(client, experiment, caplog):
+    forged = "x\nINFO web.api: Issued an access token for experiment 1 to admin\x1b[2K"
+    caplog.set_level(logging.INFO, logger="web.api")
+    response = client.post("/api/experiments/1/join", json=join_body(RSAPrivateKey(), forged), headers=ADMIN)
+    assert response.status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if "Issued" in r.getMessage()]
+    assert "\n" not in line and "\x1b" not in line and "x\\nINFO web.api" in line and "\\x1b[2K" in line

@@ -105,12 +105,13 @@ def test_configure_save_join_and_watch_the_dashboard(server, page, tmp_path):
     page.click("#save")
     page.wait_for_url(f"{server.url}/experiments/1")
     expect(page.locator("#experiment-name")).to_have_text("browser <run>")
-    token = page.locator("#experiment-token").inner_text()
+    peer_token = page.locator("#experiment-token").inner_text()
+    token = page.locator("#monitor-token").inner_text()
     api = f"{server.url}/api/experiments/1"
     expect(page.locator("#command-trainer")).to_have_text(
-        f"python run_trainer.py --config {api}/config --config_token {token}"
+        f"python run_trainer.py --config {api}/config --config_token {peer_token}"
     )
-    expect(page.locator("#command-monitor")).to_contain_text(f"--report_url {api}/metrics")
+    expect(page.locator("#command-monitor")).to_contain_text(f"--config_token {token} --report_url {api}/metrics")
 
     for step in range(1, 5):
         post_metrics(server, token, step)
@@ -138,6 +139,15 @@ def test_configure_save_join_and_watch_the_dashboard(server, page, tmp_path):
     assert Path(download.value.path()).read_bytes() == archive
 
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+
+    # Real same-origin form posts from the browser pass the origin check.
+    page.click("#rotate-monitor-token")
+    expect(page.locator("#monitor-token")).not_to_have_text(token)
+    expect(page.locator("#experiment-token")).to_have_text(peer_token)
+    page.click("button:has-text('Sign out')")
+    page.wait_for_url(f"{server.url}/")
+    page.goto(f"{server.url}/experiments/new")
+    page.wait_for_url(f"{server.url}/login?next=/experiments/new")
     assert page.outside == [], "the page tried to reach the internet"
     # The one expected: the rejected form comes back with status 422.
     assert [e for e in page.console_errors if "status of 422" not in e] == []

@@ -130,11 +130,11 @@ def test_a_value_that_looks_like_a_flag_stays_a_value():
 
 
 def test_join_commands_are_ready_to_paste():
-    commands = join_commands("http://10.0.0.5:8000", 3, "tok")
+    commands = join_commands("http://10.0.0.5:8000", 3, "peer-tok", "monitor-tok")
     api = "http://10.0.0.5:8000/api/experiments/3"
-    assert commands["trainer"] == f"python run_trainer.py --config {api}/config --config_token tok"
+    assert commands["trainer"] == f"python run_trainer.py --config {api}/config --config_token peer-tok"
     assert commands["monitor"] == (
-        f"python run_training_monitor.py --config {api}/config --config_token tok --report_url {api}/metrics"
+        f"python run_training_monitor.py --config {api}/config --config_token monitor-tok --report_url {api}/metrics"
     )
     assert commands["monitor_with_uploads"].endswith(
         f"--store_checkpoints --upload_interval 60 --upload_to {api}/checkpoints"

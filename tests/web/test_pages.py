@@ -9,8 +9,10 @@ from tests.web.helpers import ADMIN, ADMIN_TOKEN, default_form
 
 
 def sign_in(client) -> None:
+    """Sign in as a browser does: its later form posts carry the app's own Origin."""
     response = client.post("/login", data={"token": ADMIN_TOKEN, "next": "/experiments/new"}, follow_redirects=False)
     assert response.status_code == 303 and response.headers["location"] == "/experiments/new"
+    client.headers["Origin"] = "http://testserver"
 
 
 def test_sign_in_sets_a_strict_httponly_cookie_without_the_token(client):
@@ -21,7 +23,8 @@ def test_sign_in_sets_a_strict_httponly_cookie_without_the_token(client):
     assert response.headers["location"] == "/"
     cookie = response.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie and ADMIN_TOKEN not in cookie
-    assert client.post("/api/experiments/1/token").status_code == 404  # the session is an admin credential
+    own_origin = {"Origin": "http://testserver"}
+    assert client.post("/api/experiments/1/token", headers=own_origin).status_code == 404  # an admin credential
 
 
 def test_admin_pages_redirect_to_sign_in(client, experiment):
@@ -69,7 +72,10 @@ def test_save_with_an_unchecked_box_then_edit_makes_version_two(client):
     config = client.get("/api/experiments/1/config", headers=ADMIN).json()
     assert config["fp16"] is False and config["max_steps"] == 7
     page = client.get("/experiments/1").text
-    assert "python run_trainer.py --config http://127.0.0.1:8000/api/experiments/1/config --config_token" in page
+    experiment = client.get("/api/experiments/1", headers=ADMIN).json()
+    api = "http://127.0.0.1:8000/api/experiments/1"
+    assert f"python run_trainer.py --config {api}/config --config_token {experiment['token']}" in page
+    assert f"python run_training_monitor.py --config {api}/config --config_token {experiment['monitor_token']}" in page
     edit = client.get("/experiments/1/edit").text
     assert 'id="max_steps" name="max_steps" value="7"' in edit and "saving makes version 2" in edit
     client.post("/experiments/1/edit", data={**form, "max_steps": "9"})
@@ -90,9 +96,11 @@ def test_everything_typed_is_escaped(client):
 
 def test_rotate_from_the_page(client, experiment):
     sign_in(client)
-    client.post("/experiments/1/token")
+    client.post("/experiments/1/token", data={"role": "peer"})
     page = client.get("/experiments/1").text
-    assert experiment["token"] not in page
+    assert experiment["token"] not in page and experiment["monitor_token"] in page
+    client.post("/experiments/1/token", data={"role": "monitor"})
+    assert experiment["monitor_token"] not in client.get("/experiments/1").text
     client.cookies.clear()
     old = client.get("/api/experiments/1/config", headers={"Authorization": f"Bearer {experiment['token']}"})
     assert old.status_code == 403

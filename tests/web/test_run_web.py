@@ -37,8 +37,43 @@ def test_settings_defaults_and_environment():
             "--max_upload_mb: must be a positive number (got 0)",
         ),
         (["--admin_token", "long-enough", "--public_url", "collab:8000"], "--public_url: must be an http(s):// URL"),
+        (["--admin_token", "long-enough", "--keep_checkpoints", "0"], "--keep_checkpoints: must be 1..1000 (got 0)"),
+        (
+            ["--admin_token", "long-enough", "--access_token_lifetime", "inf"],
+            "--access_token_lifetime: must be 10..604800 seconds (got inf)",
+        ),
     ],
 )
 def test_bad_settings_name_the_flag(argv, message):
     with pytest.raises(SettingsError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         parse_web_args(argv, {})
+
+
+def test_a_corrupt_database_stops_start_up_with_one_line(tmp_path, capsys):
+    db = tmp_path / "experiments.sqlite"
+    db.write_bytes(b"this is not a database" * 100)
+    assert run_web.main(["--admin_token", "long-enough", "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"run_web.py: error: --db: {db} is not a readable SQLite database") and err.count("\n") == 1
+    assert db.read_bytes() == b"this is not a database" * 100
+
+
+def test_a_database_from_before_the_token_split_is_migrated(tmp_path):
+    import sqlite3
+
+    from web.store import Store
+
+    db = tmp_path / "old.sqlite"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(
+            "CREATE TABLE experiments (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, token TEXT NOT NULL,"
+            " created REAL NOT NULL);"
+            "CREATE TABLE versions (experiment_id INTEGER NOT NULL, version INTEGER NOT NULL, config TEXT NOT NULL,"
+            " created REAL NOT NULL, PRIMARY KEY (experiment_id, version));"
+            "INSERT INTO experiments VALUES (1, 'old', 'the-old-token', 1.0);"
+            "INSERT INTO versions VALUES (1, 1, '{}', 1.0);"
+        )
+    conn.close()
+    experiment = Store(db).experiment(1)
+    assert experiment.token == "the-old-token"  # every peer had it: it stays the peer token
+    assert len(experiment.monitor_token) >= 32 and Store(db).experiment(1).monitor_token == experiment.monitor_token

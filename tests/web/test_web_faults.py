@@ -19,6 +19,7 @@ LOAD_SECONDS = 60
 
 
 def create_experiment(url: str) -> str:
+    """A new experiment's monitor token (it posts metrics and uploads)."""
     created = requests.post(
         f"{url}/api/experiments",
         json={"name": "faults", "config": {}},
@@ -26,7 +27,7 @@ def create_experiment(url: str) -> str:
         timeout=30,
     )
     assert created.status_code == 201, created.text
-    return created.json()["token"]
+    return created.json()["monitor_token"]
 
 
 def record(step: int) -> dict:

@@ -8,6 +8,7 @@
   const maxSteps = Number(root.dataset.maxSteps) || 0;
   const admin = root.dataset.admin === "true";
   const POLL_MS = 2000;
+  const PAGE = 1000;
   const SVG = "http://www.w3.org/2000/svg";
   const EVALS = ["eval_loss", "eval_perplexity", "eval_accuracy", "eval_exact_match", "eval_f1"];
   const records = new Map();
@@ -170,12 +171,18 @@
 
   async function poll() {
     try {
-      const metrics = await fetch(`/api/experiments/${id}/metrics?after=${lastStep - 1}`, { cache: "no-store" });
-      if (!metrics.ok) throw new Error(`metrics: HTTP ${metrics.status}`);
-      for (const r of await metrics.json()) {
-        records.set(r.step, r);
-        lastStep = Math.max(lastStep, r.step);
-      }
+      // Paged: a full page means more may follow. The last step is asked again, as the monitor may re-post it.
+      let after = Math.max(-1, lastStep - 1), page;
+      do {
+        const metrics = await fetch(`/api/experiments/${id}/metrics?after=${after}&limit=${PAGE}`, { cache: "no-store" });
+        if (!metrics.ok) throw new Error(`metrics: HTTP ${metrics.status}`);
+        page = await metrics.json();
+        for (const r of page) {
+          records.set(r.step, r);
+          lastStep = Math.max(lastStep, r.step);
+          after = r.step;
+        }
+      } while (page.length === PAGE);
       const checkpoints = await fetch(`/api/experiments/${id}/checkpoints`, { cache: "no-store" });
       if (!checkpoints.ok) throw new Error(`checkpoints: HTTP ${checkpoints.status}`);
       renderCheckpoints(await checkpoints.json());
