@@ -13,7 +13,7 @@ from pathlib import Path
 from bench.formulas import epoch_target_batch_size
 from bench.training import PAIR, against_plain, collab_pair, plain_pair, plain_seconds
 
-GPU_EPOCH_SECONDS = 9.0  # an epoch of the CPU default (1024 samples at about 116 samples/s for the pair)
+GPU_EPOCH_SECONDS = 9.0  # about an epoch of the CPU default on 2 cores, so both spend a like share averaging
 
 
 def cuda_device_name() -> str | None:

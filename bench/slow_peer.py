@@ -1,8 +1,8 @@
 """A slow peer among fast ones: how many of its global steps averaged its gradients with the others.
 
 ``python -m bench.slow_peer [--seconds S] [--accumulation N]`` starts two peers at the defaults and a third with
-``--gradient_accumulation_steps N``, one thread each, on 127.0.0.1. With N = 16 the slow peer calls ``optimizer.step``
-about every 5 s on a 2-core machine, longer than the default ``matchmaking_time`` of 3 s. They train for S seconds
+``--gradient_accumulation_steps N``, one thread each, on 127.0.0.1; choose N so that the slow peer's optimizer steps
+are further apart than ``matchmaking_time`` (3 s by default) on your machine. They train for S seconds
 after the slow peer's first global step; the last line printed is one JSON object with each peer's counts. A peer
 whose steps are further apart than ``matchmaking_time`` can step past the window in which hivemind pre-schedules its
 round, and then misses its epoch's group (docs/RELIABILITY.md). Figures, not a test: about 4 minutes.

@@ -52,13 +52,9 @@ SHORT_EPOCH_WINDOW = 3  # epochs whose median length is judged
 def short_epoch_warning(epoch_seconds: list[float], matchmaking_time: float) -> str | None:
     """The operator's fix when the last epochs were too short for matchmaking, else None.
 
-    An epoch cannot end before the previous epoch's background update (averaged gradients, Lamb step, averaged
-    parameters) has finished. Gradient rounds are matched ahead of their epoch's end, but hivemind 1.1.12 never
-    matches parameter rounds ahead (the delay estimate that would schedule them is only updated by a round that was),
-    so each one starts looking for its group when its epoch ends and takes at least ``matchmaking_time``: epochs
-    whose compute is shorter are stretched to about that. Shorter still, an averager is still matching one round when
-    the next is due, rounds pair up across epochs and each mismatched part waits ``next_chunk_timeout``
-    (docs/BENCHMARKS.md, target_batch_size 256: 0.39 to 0.76 of the plain loops' throughput, 0.91 to 0.96 at 1024)."""
+    An epoch cannot end before the previous epoch's background update has finished, and hivemind 1.1.12 starts
+    matching a parameter round only when its epoch ends, so that round takes at least ``matchmaking_time``: shorter
+    epochs stall, and shorter still, rounds pair up across epochs (docs/benchmarks/2026-11-25-amd-epyc-2core.md)."""
     if len(epoch_seconds) < SHORT_EPOCH_WINDOW:
         return None
     typical = statistics.median(epoch_seconds[-SHORT_EPOCH_WINDOW:])
@@ -77,13 +73,10 @@ SLOW_STEP_WINDOW = 5  # optimizer steps whose median interval is judged
 def slow_step_warning(step_seconds: list[float], matchmaking_time: float) -> str | None:
     """The operator's fix when this peer's optimizer steps are further apart than ``matchmaking_time``, else None.
 
-    hivemind arranges a peer's gradient round at the first step that expects the epoch to end within
-    ``matchmaking_time``, and checks at the first step of each epoch that the peer is still on the swarm's epoch. A
-    peer whose steps are further apart has no step in that window: its round starts at the step that ends its epoch,
-    after the others' group has formed, and its gradients join the next epoch's round or are lost. Its first step of
-    an epoch often comes after the swarm has moved on, so it reloads the state and loses the samples it had
-    accumulated. ``python -m bench.slow_peer``: a peer stepping every 5 to 7 s beside two default peers reloaded the
-    state 6 and 7 times in 10 and 9 global steps (docs/RELIABILITY.md)."""
+    hivemind arranges a peer's gradient round at a step within ``matchmaking_time`` of the epoch's end, and checks
+    the peer's epoch at the first step of each: a peer whose steps are further apart misses its epoch's group and
+    often reloads the state, losing the samples it had accumulated (``python -m bench.slow_peer``,
+    docs/RELIABILITY.md)."""
     if len(step_seconds) < SLOW_STEP_WINDOW:
         return None
     typical = statistics.median(step_seconds[-SLOW_STEP_WINDOW:])
@@ -124,10 +117,9 @@ class IntervalTimer:
 def flush_denormals() -> bool:
     """Compute with subnormal floats (below 1.2e-38) as zeros on this CPU; call before any other thread starts.
 
-    x86 CPUs take up to a hundred times longer over subnormal values, and training meets them: after about thirty
-    Lamb steps the default model's forward and backward took 0.36 to 0.50 s a micro-batch instead of 0.22 on one
-    core, and with this 0.22 to 0.23 throughout. Values that small are rounding noise next to the weights they
-    update. Threads started later (OpenMP's pool, hivemind's background step) inherit the setting. Returns whether
+    x86 CPUs can take many times longer over subnormal values, training meets them after some Lamb steps, and values
+    that small are rounding noise next to the weights they update (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
+    Threads started later (OpenMP's pool, hivemind's background step) inherit the setting. Returns whether
     the CPU supports it (x86 with SSE3; elsewhere it does nothing)."""
     return torch.set_flush_denormal(True)
 
