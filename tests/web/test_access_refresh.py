@@ -1,0 +1,92 @@
+"""A peer's access token against a live run_web.py that stops answering: kept while valid, refreshed after."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import pytest
+import requests
+
+from collab.access import WebAppAuthorizer
+from tests.web.live import running_web_server
+
+ADMIN_TOKEN = "refresh-admin-token"
+LIFETIME = 16  # seconds: the token is due for a refresh after 8; failed refreshes retry after 1 s, then 2 s
+
+
+@pytest.fixture
+def web(tmp_path):
+    with running_web_server(tmp_path, ADMIN_TOKEN, "--access_token_lifetime", str(LIFETIME)) as server:
+        created = requests.post(
+            f"{server.url}/api/experiments",
+            json={"name": "refresh"},
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=10,
+        ).json()
+        server.peer_token, server.monitor_token = created["token"], created["monitor_token"]
+        server.join_url = f"{server.url}/api/experiments/1/join"
+        yield server
+
+
+def test_a_stopped_web_app_does_not_stop_signing_and_the_token_is_refreshed_after(web, caplog):
+    caplog.set_level(logging.INFO, logger="collab.access")
+    authorizer = WebAppAuthorizer(web.join_url, web.peer_token, timeout=0.5)
+    authorizer.fetch_first_token()
+    first = authorizer._local_access_token
+
+    async def scenario() -> list[float]:
+        call_seconds = []
+
+        async def call() -> None:
+            started = time.monotonic()
+            await authorizer.refresh_token_if_needed()
+            call_seconds.append(time.monotonic() - started)
+
+        await call()
+        while time.time() < authorizer._refresh_after:  # the first refresh falls due during the outage
+            await asyncio.sleep(0.05)
+        web.process.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + LIFETIME
+            while not (caplog.text.count("Could not refresh") == 1 and authorizer._retry_delay >= 2.0):
+                assert time.monotonic() < deadline, "no failed refresh while the web app was stopped"
+                await call()
+                await asyncio.sleep(0.05)
+            assert authorizer._local_access_token is first
+        finally:
+            web.process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + LIFETIME
+        while authorizer._local_access_token is first:
+            assert time.monotonic() < deadline, "the token was not refreshed after the web app came back"
+            await call()
+            await asyncio.sleep(0.05)
+        return call_seconds
+
+    call_seconds = asyncio.run(scenario())
+    assert max(call_seconds) < 0.5, "a DHT call waited for the stopped web app"
+    assert caplog.text.count("Could not refresh the access token") == 1, "the outage was logged more than once"
+    assert "Refreshed the access token again" in caplog.text
+    assert authorizer.is_token_valid(authorizer._local_access_token)
+
+
+def test_a_refresh_signed_by_another_authority_is_refused(web, caplog):
+    caplog.set_level(logging.WARNING, logger="collab.access")
+    authorizer = WebAppAuthorizer(web.join_url, web.monitor_token, timeout=5.0)
+    authorizer.fetch_first_token()
+    pinned, first = authorizer.authority_public_key.to_bytes(), authorizer._local_access_token
+    rotated = requests.post(
+        f"{web.url}/api/experiments/1/token?role=peer", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
+    )
+    assert rotated.status_code == 200  # replaces the authority key; the monitor token still lets it in
+
+    async def refresh_once() -> None:
+        authorizer._refresh_after = 0.0  # due now, rather than waiting half the lifetime
+        await authorizer.refresh_token_if_needed()
+        await authorizer._refreshing
+
+    asyncio.run(refresh_once())
+    assert authorizer.authority_public_key.to_bytes() == pinned and authorizer._local_access_token is first
+    assert "now signs with another authority key" in caplog.text
