@@ -116,8 +116,8 @@ class PeerArguments:
     web_token: str | None = field(
         default=None,
         metadata={
-            "help": "The experiment token the web app shows, for --authorization_url, --report_url and http(s) "
-            "uploads; unset: --config_token"
+            "help": "The web app's token for this experiment: the peer token for trainers (--authorization_url), "
+            "the monitor token for the monitor (also --report_url and http(s) uploads); unset: --config_token"
         },
     )
 
