@@ -4,19 +4,23 @@ Targets: a local folder (``/mnt/backup/run1``), the web app (``http(s)://HOST/ap
 a multipart POST of ``checkpoint-<step>.tar.gz`` with its sha256 and a bearer token), or the Hugging Face Hub
 (``hf://owner/repo``, through ``huggingface_hub``; log in with ``huggingface-cli login`` or set ``HF_TOKEN``).
 A failed upload is retried with exponential backoff and logged; the metrics loop never waits for an upload.
+Archives are streamed from disk, never held whole in memory, and each checkpoint is hashed once, not every interval.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import shutil
 import tarfile
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from collab.checkpoint import Manifest, latest_checkpoint, prune_checkpoints, sha256_file
+from collab.checkpoint import Manifest, VerifiedCheckpoints, latest_checkpoint, prune_checkpoints
 from collab.storage import atomic_directory
 
 logger = logging.getLogger(__name__)
@@ -28,22 +32,81 @@ class UploadTarget(Protocol):
 
 
 class FolderTarget:
-    """Copies each checkpoint to ``<folder>/<step>/`` atomically and keeps the newest ``keep`` there."""
+    """Copies each checkpoint to ``<folder>/<step>/`` atomically and durably, then keeps the newest ``keep`` there
+    (older copies are removed only once the new one is on disk)."""
 
     def __init__(self, folder: str, keep: int):
         self.folder, self.keep = Path(folder), keep
+        self.verified = VerifiedCheckpoints()
 
     def upload(self, folder: Path, manifest: Manifest) -> None:
         with atomic_directory(self.folder / str(manifest.step)) as staging:
             shutil.copytree(folder, staging, dirs_exist_ok=True)
-        prune_checkpoints(self.folder, self.keep)
+        prune_checkpoints(self.folder, self.keep, self.verified.read_manifest)
 
     def __str__(self) -> str:
         return str(self.folder)
 
 
+class HashingWriter:
+    """A binary file wrapper that computes the sha256 of what goes through ``write``."""
+
+    def __init__(self, file):
+        self.file, self.digest = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def write_archive(folder: Path, step: int, archive: Path) -> str:
+    """``tar.gz`` of ``folder`` as ``<step>/...`` into ``archive``; returns its sha256, computed while writing."""
+    with open(archive, "wb") as f:
+        writer = HashingWriter(f)
+        with tarfile.open(fileobj=writer, mode="w:gz") as tar:
+            tar.add(folder, arcname=str(step))
+    return writer.digest.hexdigest()
+
+
+class MultipartBody:
+    """A multipart/form-data body of text fields and one file, read from disk in 1 MiB chunks as it is sent.
+
+    Its length is known up front (``len``), so requests sends a Content-Length, which the web app requires."""
+
+    chunk_size = 1 << 20
+
+    def __init__(self, fields: dict[str, str], file_field: str, path: Path, media_type: str):
+        boundary = secrets.token_hex(16)
+        self.content_type = f"multipart/form-data; boundary={boundary}"
+        parts = [
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n' for k, v in fields.items()
+        ]
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{file_field}"; filename="{path.name}"\r\n'
+            f"Content-Type: {media_type}\r\n\r\n"
+        )
+        self.head, self.tail = "".join(parts).encode(), f"\r\n--{boundary}--\r\n".encode()
+        self.path, self.length = path, len(self.head) + path.stat().st_size + len(self.tail)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.head
+        with open(self.path, "rb") as f:
+            while chunk := f.read(self.chunk_size):
+                yield chunk
+        yield self.tail
+
+
 class HttpTarget:
-    """POSTs ``checkpoint-<step>.tar.gz`` to the web app with fields step, loss and sha256 (multipart)."""
+    """POSTs ``checkpoint-<step>.tar.gz`` to the web app with fields step, loss and sha256 (multipart).
+
+    The archive is written to a temporary file (hashed on the way) and streamed from it: memory stays at a few MiB
+    whatever the model's size."""
 
     def __init__(self, url: str, token: str | None, timeout: float = 600.0):
         self.url, self.timeout = url, timeout
@@ -54,19 +117,16 @@ class HttpTarget:
 
         with tempfile.TemporaryDirectory(prefix="upload-") as tmp:
             archive = Path(tmp) / f"checkpoint-{manifest.step}.tar.gz"
-            with tarfile.open(archive, "w:gz") as tar:
-                tar.add(folder, arcname=str(manifest.step))
-            fields = {"step": str(manifest.step), "sha256": sha256_file(archive)}
+            fields = {"step": str(manifest.step), "sha256": write_archive(folder, manifest.step, archive)}
             if manifest.loss is not None:
                 fields["loss"] = repr(manifest.loss)
-            with open(archive, "rb") as f:
-                response = requests.post(
-                    self.url,
-                    data=fields,
-                    files={"archive": (archive.name, f, "application/gzip")},
-                    headers=self.headers,
-                    timeout=self.timeout,
-                )
+            body = MultipartBody(fields, "archive", archive, "application/gzip")
+            response = requests.post(
+                self.url,
+                data=body,
+                headers={**self.headers, "Content-Type": body.content_type},
+                timeout=self.timeout,
+            )
         if response.status_code >= 400:
             raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:200]}")
 
@@ -114,6 +174,7 @@ class Uploader:
         self.repo_path, self.target, self.interval = repo_path, target, interval
         self.delays = backoff_delays(retries, first_delay)
         self.last_uploaded_step: int | None = None
+        self.verified = VerifiedCheckpoints()  # the newest checkpoint is hashed once, not every interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
 
@@ -134,7 +195,7 @@ class Uploader:
         for attempt, delay in enumerate([0.0, *self.delays]):
             if delay and self._stop.wait(delay):
                 return False
-            found = latest_checkpoint(self.repo_path)
+            found = latest_checkpoint(self.repo_path, self.verified.read_manifest)
             if found is None or found[1].step == self.last_uploaded_step:
                 return False
             folder, manifest = found
