@@ -12,11 +12,13 @@ import tarfile
 import time
 from pathlib import Path
 
+import hivemind
 import pytest
 import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-from arguments import TrainingArguments
+from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
+from collab.callback import CollaborativeCallback
 from collab.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -28,7 +30,7 @@ from collab.checkpoint import (
     sha256_file,
     write_checkpoint,
 )
-from collab.optim import lamb_factory, parameter_groups, scheduler_factory
+from collab.optim import build_optimizer, lamb_factory, parameter_groups, scheduler_factory
 from trainer.model import tiny_bert_config
 from trainer.predict import main as predict_main
 
@@ -201,10 +203,12 @@ def test_an_archive_over_its_size_or_member_bound_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+SCHEDULE = TrainingArguments(learning_rate=0.01, warmup_steps=2, total_steps=10)
+
+
 def lamb_and_scheduler(model):
-    training_args = TrainingArguments(learning_rate=0.01, warmup_steps=2, total_steps=10)
-    lamb = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
-    return lamb, scheduler_factory(training_args)(lamb)
+    lamb = lamb_factory(SCHEDULE)(parameter_groups(model, SCHEDULE.weight_decay))
+    return lamb, scheduler_factory(SCHEDULE)(lamb)
 
 
 def train_steps(model, lamb, scheduler, steps: int) -> None:
@@ -258,3 +262,52 @@ def test_resume_accepts_the_web_apps_archive_and_removes_what_it_unpacked(tmp_pa
     with pytest.raises(CheckpointError) as refused, opened_checkpoint(archive):
         pass
     assert str(refused.value) == f"{archive}/8: optimizer.pt does not match its sha256 in {MANIFEST} (corrupted)"
+
+
+def test_a_real_peer_resumes_from_the_web_apps_archive(tmp_path):
+    """``--resume_from checkpoint-3.tar.gz`` into a real hivemind.Optimizer: weights, Lamb state, epoch, schedule."""
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
+    lamb, scheduler = lamb_and_scheduler(model)
+    train_steps(model, lamb, scheduler, 3)
+    saved = lamb.state_dict()
+    saved["state"]["local_epoch"] = 3
+    folder = write_checkpoint(tmp_path, 3, model, None, {"optimizer": saved, "scheduler": scheduler.state_dict()})
+    archive = tmp_path / "checkpoint-3.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="3")
+
+    torch.manual_seed(1)
+    peer_model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = build_optimizer(
+            peer_model,
+            dht,
+            PeerArguments(experiment_prefix="resume_archive"),
+            OptimizerArguments(target_batch_size=32),
+            AveragerArguments(),
+            ProgressTrackerArguments(),
+            SCHEDULE,
+        )
+        try:
+            CollaborativeCallback(
+                dht, optimizer, peer_model, b"peer", "resume_archive", 600.0, 10
+            ).resume_from_checkpoint(str(archive))
+            resumed = optimizer.state_dict()
+            last_lr = optimizer.state_averager.scheduler.get_last_lr()
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
+    assert resumed["state"].pop("local_epoch") == 3 and last_lr == scheduler.get_last_lr()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(peer_model.state_dict()[name], tensor), name
+    saved["state"].pop("local_epoch")
+    assert resumed["state"].keys() == saved["state"].keys()
+    for index, values in saved["state"].items():
+        for key, value in values.items():
+            assert torch.equal(torch.as_tensor(resumed["state"][index][key]).cpu(), torch.as_tensor(value)), (
+                index,
+                key,
+            )
