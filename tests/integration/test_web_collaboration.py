@@ -1,15 +1,18 @@
 """The whole story with real processes: a live run_web.py configures and guards an experiment.
 
 The admin creates the experiment through the API with access control on (``authorization_url`` in its config).
-The monitor and two trainers start with ``--config URL --config_token TOKEN`` as the experiment page shows; each
-gets a short-lived access token from the web app and refreshes it. The monitor reports every step to the
-dashboard API and uploads checkpoints there. A member with a token reads the peers' records; an outsider with a
-valid, signed record but no token can neither read nor write them; a wrong experiment token stops a peer at once.
+The monitor (monitor token) and two trainers (peer token) start with ``--config URL --config_token TOKEN`` as the
+experiment page shows; each gets a short-lived access token from the web app and refreshes it. The monitor reports
+every step to the dashboard API and uploads checkpoints there. A member with a token reads the peers' records; an
+outsider with a valid, signed record but no token can neither read nor write them; a wrong token stops a peer at
+once. Mid-run the web app is frozen (SIGSTOP) for OUTAGE seconds, long enough for refreshes to fall due and shorter
+than what is left of any token: the peers keep stepping.
 """
 
 from __future__ import annotations
 
 import hashlib
+import signal
 import time
 
 import hivemind
@@ -26,8 +29,35 @@ from trainer.local import MonitorProcess, PeerProcess, wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ADMIN = "integration-admin-token"
-LIFETIME = 70  # seconds: processes refresh a minute before expiry, so about every 10 s here
+LIFETIME = 40  # seconds: processes refresh at half of it, so every 20 s here
+OUTAGE = 18  # seconds the web app is frozen: under LIFETIME / 2, so no token held at its start expires during it
 STEPS = 10
+
+
+class Outage:
+    """Freezes the web app once both peers have reached ``from_step``, for OUTAGE seconds; records their steps."""
+
+    def __init__(self, web, from_step: int = 2):
+        self.web, self.from_step = web, from_step
+        self.started: float | None = None
+        self.steps_at_start: int | None = None
+        self.steps_at_end: int | None = None
+
+    def observe(self, records: dict) -> None:
+        """Called with each read of the peers' DHT records (by a member, through access control)."""
+        if len(records) < 2:
+            return
+        steps = min(value["step"] for value, _ in records.values())
+        if self.started is None and steps >= self.from_step:
+            self.web.process.send_signal(signal.SIGSTOP)
+            self.started, self.steps_at_start = time.monotonic(), steps
+        elif self.steps_at_end is None and self.started is not None:
+            if time.monotonic() - self.started >= OUTAGE:
+                self.steps_at_end = steps
+                self.end()
+
+    def end(self) -> None:
+        self.web.process.send_signal(signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +83,10 @@ def guarded(tmp_path_factory, sample_data):
         from_web = ["--config", f"{api}/config", "--config_token", token]
         monitor = MonitorProcess(
             [
-                *from_web,
+                "--config",
+                f"{api}/config",
+                "--config_token",
+                created["monitor_token"],
                 "--report_url",
                 f"{api}/metrics",
                 "--refresh_period",
@@ -70,7 +103,7 @@ def guarded(tmp_path_factory, sample_data):
             ],
             out / "M.log",
         )
-        peers, member, outsider = {}, None, None
+        peers, member, outsider, outage = {}, None, None, Outage(web)
         try:
             join = monitor.join_flags(timeout=120)
             for name in "AB":
@@ -100,6 +133,7 @@ def guarded(tmp_path_factory, sample_data):
 
             def poll():
                 seen_by_member.append(read_metrics(member, prefix))
+                outage.observe(seen_by_member[-1])
                 if len(seen_by_member[-1]) == 2 and not outsider_reads:  # both peers alive and publishing
                     outsider_reads.append(outsider.get(metrics_key(prefix), latest=True))
                     outsider.store(metrics_key(prefix), forged.model_dump(), get_dht_time() + 60, subkey=outsider_key)
@@ -107,6 +141,7 @@ def guarded(tmp_path_factory, sample_data):
 
             wait_until(poll, timeout=400, what="both guarded peers to reach max_steps", poll=1.0)
             exit_codes = {name: peer.wait(30) for name, peer in peers.items()}
+            outage.end()
             wait_until(
                 lambda: requests.get(f"{api}/checkpoints", timeout=10).json(),
                 60,
@@ -124,8 +159,10 @@ def guarded(tmp_path_factory, sample_data):
                 "outsider_key": outsider_key,
                 "web_log": web.log_path.read_text(),
                 "join_url": config["authorization_url"],
+                "outage": outage,
             }
         finally:
+            outage.end()
             for process in [*peers.values(), monitor]:
                 process.stop()
             for dht in (member, outsider):
@@ -183,3 +220,11 @@ def test_a_wrong_experiment_token_stops_the_peer_with_one_line(guarded, tmp_path
         peer.stop()
     last = peer.log().strip().splitlines()[-1]
     assert last.startswith("run_trainer.py: error: --authorization_url:") and "(403)" in last
+
+
+def test_peers_keep_stepping_while_the_web_app_is_frozen(guarded):
+    outage = guarded["outage"]
+    assert outage.steps_at_end is not None, "the run ended before the outage did: lower from_step or raise STEPS"
+    assert outage.steps_at_end > outage.steps_at_start, (
+        f"no global step during the {OUTAGE} s web-app outage (steps {outage.steps_at_start})"
+    )
