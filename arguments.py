@@ -588,19 +588,57 @@ def config_to_argv(config: dict[str, Any], dataclass_types: Sequence[type], sour
     return argv
 
 
+# A config is a few KiB of settings; the cap keeps a hostile URL or a wrong path (a disk image, /dev/zero) from
+# filling memory, and the deadline keeps a server that sends a byte at a time from holding the program forever.
+MAX_CONFIG_BYTES = 1 << 20
+CONFIG_DOWNLOAD_TIMEOUT = 60.0
+
+
+def _config_too_large(source: str) -> ConfigError:
+    return ConfigError(f"--config: {source} is larger than {MAX_CONFIG_BYTES} bytes; give a JSON file of settings")
+
+
+def _download_config(source: str, token: str | None) -> bytes:
+    """The body at ``source``, at most MAX_CONFIG_BYTES, within CONFIG_DOWNLOAD_TIMEOUT seconds."""
+    import time
+
+    import requests
+
+    # identity encoding, read raw: a compressed body could inflate far past the cap inside one read
+    headers = {"Accept-Encoding": "identity", **({"Authorization": f"Bearer {token}"} if token else {})}
+    deadline = time.monotonic() + CONFIG_DOWNLOAD_TIMEOUT
+    with requests.get(source, headers=headers, timeout=30, stream=True) as response:
+        if response.status_code in (401, 403):
+            raise ConfigError(f"--config: {source} refused access ({response.status_code}); check --config_token")
+        response.raise_for_status()
+        if int(response.headers.get("Content-Length") or 0) > MAX_CONFIG_BYTES:
+            raise _config_too_large(source)
+        body = bytearray()
+        # read1 returns what has arrived (a read of N bytes would wait for all N from a server that drips them)
+        while chunk := response.raw.read1(1 << 16, decode_content=False):
+            body += chunk
+            if len(body) > MAX_CONFIG_BYTES:
+                raise _config_too_large(source)
+            if time.monotonic() > deadline:
+                raise ConfigError(f"--config: {source} took more than {CONFIG_DOWNLOAD_TIMEOUT:.0f} s to download")
+        return bytes(body)
+
+
+def _read_config_file(source: str) -> bytes:
+    with Path(source).open("rb") as file:
+        body = file.read(MAX_CONFIG_BYTES + 1)
+    if len(body) > MAX_CONFIG_BYTES:
+        raise _config_too_large(source)
+    return body
+
+
 def load_config(source: str, token: str | None = None) -> dict[str, Any]:
-    """Read a JSON config from a file or an http(s) URL (the web app's /api/experiments/{id}/config)."""
+    """Read a JSON config (at most MAX_CONFIG_BYTES) from a file or an http(s) URL (the web app's
+    /api/experiments/{id}/config)."""
     try:
         if source.startswith(("http://", "https://")):
-            import requests
-
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            response = requests.get(source, headers=headers, timeout=30)
-            if response.status_code in (401, 403):
-                raise ConfigError(f"--config: {source} refused access ({response.status_code}); check --config_token")
-            response.raise_for_status()
-            return response.json()
-        return json.loads(Path(source).read_text())
+            return json.loads(_download_config(source, token))
+        return json.loads(_read_config_file(source))
     except ConfigError:
         raise
     except FileNotFoundError:
