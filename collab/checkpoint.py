@@ -372,8 +372,13 @@ def extract_archive(
     """Unpack ``checkpoint-<step>.tar.gz`` (as the web app serves it) into ``destination``; returns its top folder.
 
     Every member is checked before anything is written: regular files and folders only, all under one top folder,
-    plain relative names, at most ``max_members`` members and ``max_bytes`` bytes unpacked."""
+    plain relative names, at most ``max_members`` members and ``max_bytes`` bytes unpacked (and no more than the
+    destination's free space, so a compressed bomb is refused instead of filling the disk)."""
     archive = Path(archive)
+    existing = next(
+        folder for folder in (Path(destination).absolute(), *Path(destination).absolute().parents) if folder.exists()
+    )
+    max_bytes = min(max_bytes, shutil.disk_usage(existing).free)
     try:
         with tarfile.open(archive, "r:gz") as tar:
             members = _archive_members(archive, tar, max_bytes, max_members)
