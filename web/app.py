@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from web.settings import WebSettings
 from web.store import Store
-from web.upload import remove_interrupted_uploads
+from web.upload import remove_interrupted_uploads, remove_unlisted_archives
 
 HERE = Path(__file__).resolve().parent
 UPLOAD_PATH = re.compile(r"/api/experiments/\d+/checkpoints")
@@ -124,6 +124,7 @@ def create_app(settings: WebSettings) -> FastAPI:
     app.state.store = Store(settings.db)
     settings.upload_dir.mkdir(parents=True, exist_ok=True)
     remove_interrupted_uploads(settings.upload_dir)
+    remove_unlisted_archives(settings.upload_dir, app.state.store.checkpoint_paths())
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
     app.state.templates = Jinja2Templates(env=env)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

@@ -292,6 +292,11 @@ class Store:
             ).fetchall()
         return [Checkpoint(**dict(row)) for row in rows]
 
+    def checkpoint_paths(self) -> set[str]:
+        """The archive paths of every listed checkpoint, of all experiments."""
+        with self._reader() as conn:
+            return {row["path"] for row in conn.execute("SELECT path FROM checkpoints")}
+
     def checkpoint(self, experiment_id: int, step: int) -> Checkpoint | None:
         with self._reader() as conn:
             row = conn.execute(

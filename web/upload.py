@@ -111,6 +111,25 @@ def remove_interrupted_uploads(folder: Path) -> list[Path]:
     return leftovers
 
 
+def remove_unlisted_archives(folder: Path, listed: set[str]) -> list[Path]:
+    """Delete ``checkpoint-*.tar.gz`` files the store does not list (``listed``: their paths as stored).
+
+    They are left when the app stops between renaming an upload into place and recording it, or between
+    forgetting an old checkpoint and deleting its archive; nothing can download them. Files are matched by their
+    place under the data folder (``experiments/<id>/<name>``), so a data folder given by another path is kept.
+    """
+    listed_places = {Path(path).parts[-3:] for path in listed}
+    unlisted = sorted(
+        path
+        for path in folder.glob("experiments/*/checkpoint-*.tar.gz")
+        if path.relative_to(folder).parts not in listed_places
+    )
+    for path in unlisted:
+        logger.warning("Removing %s, an archive no experiment lists (left by a restart)", path)
+        path.unlink(missing_ok=True)
+    return unlisted
+
+
 async def receive_upload(
     request: Request, folder: Path, max_bytes: int, file_field: str
 ) -> tuple[dict[str, str], ReceivedFile]:

@@ -392,3 +392,12 @@ def test_a_username_cannot_forge_log_lines(client, experiment, caplog):
     assert response.status_code == 200
     (line,) = [r.getMessage() for r in caplog.records if "Issued" in r.getMessage()]
     assert "\n" not in line and "\x1b" not in line and "x\\nINFO web.api" in line and "\\x1b[2K" in line
+
+
+def test_archives_no_experiment_lists_are_removed_at_start_up(settings, experiment, client):
+    assert upload(client, experiment, step=4, data=b"kept").status_code == 201
+    folder = settings.upload_dir / "experiments" / "1"
+    (folder / "checkpoint-9.tar.gz").write_bytes(b"renamed into place, never recorded")
+    with TestClient(create_app(settings)) as restarted:
+        assert [c["step"] for c in restarted.get("/api/experiments/1/checkpoints").json()] == [4]
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-4.tar.gz"]
