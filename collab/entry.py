@@ -20,12 +20,56 @@ class SetupError(RuntimeError):
     """A missing or unusable input: the message names the flag and says what to do."""
 
 
+# C0 controls but tab, DEL, C1 controls and the Unicode line separators: each can end a log line, rewrite one already
+# printed (\r, ANSI escapes start with ESC) or split a line in a log viewer.
+_CONTROL_ESCAPES = {
+    code: ascii(chr(code))[1:-1]
+    for code in (*range(0x00, 0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)
+    if code != ord("\t")
+}
+
+
+def escape_control_characters(text: str) -> str:
+    """``text`` on one line: control characters written as Python escapes (``\\n``, ``\\x1b``, ``\\u2028``)."""
+    return text.translate(_CONTROL_ESCAPES)
+
+
+class ControlEscapingFormatter(logging.Formatter):
+    """Wraps a handler's formatter so that a record's message is one line: a string a peer, a file or a URL put in
+    a message (``"...\\n2026-11-25 ... INFO forged"``) cannot forge a log line. A traceback stays multi-line."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg, args = record.msg, record.args
+        record.msg, record.args = escape_control_characters(record.getMessage()), None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.msg, record.args = msg, args
+
+
+def escape_log_messages() -> None:
+    """Every handler of the root logger (hivemind's, once ``use_hivemind_log_handler("in_root_logger")``) and of the
+    loggers that do not propagate to it (transformers') formats messages through ControlEscapingFormatter."""
+    loggers = [
+        logging.getLogger(),
+        *(found for found in logging.root.manager.loggerDict.values() if isinstance(found, logging.Logger)),
+    ]
+    for handler in {handler for logger in loggers for handler in logger.handlers}:
+        if not isinstance(handler.formatter, ControlEscapingFormatter):
+            handler.setFormatter(ControlEscapingFormatter(handler.formatter or logging.Formatter()))
+
+
 def run_program(
     prog: str, dataclass_types: Sequence[type], run: Callable[..., object], argv: Sequence[str] | None = None
 ) -> int:
     """Parse ``argv`` into ``dataclass_types``, call ``run(*arguments, stop=event)``; 0 on success, 2 on bad input."""
     use_hivemind_log_handler("in_root_logger")
     logging.getLogger().setLevel(logging.INFO)
+    escape_log_messages()
     argv = list(sys.argv[1:] if argv is None else argv)
     arguments = parse_args_or_exit(dataclass_types, argv, prog=prog)
     _, config_token, _ = split_config_flags(argv)
@@ -37,6 +81,6 @@ def run_program(
     try:
         run(*arguments, stop=stop)
     except (SetupError, DHTStartError, CheckpointError, AccessError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {escape_control_characters(str(e))}", file=sys.stderr)
         return 2
     return 0
