@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collab.schema import MAX_STEP
 from monitor.aggregate import aggregate, far_ahead, format_line, honest_step, live_metrics
 
 NOW = 1000.0
@@ -180,3 +181,18 @@ def test_any_records_never_crash_and_only_valid_ones_count(raw):
     assert metrics.step >= 0 and metrics.samples >= 0
     assert math.isfinite(metrics.samples_per_second) and metrics.samples_per_second >= 0
     assert metrics.loss is None or (math.isfinite(metrics.loss) and metrics.loss >= 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 10**6),
+    st.integers(1, 6),
+    st.lists(st.integers(0, MAX_STEP), max_size=6),
+)
+def test_as_many_liars_far_ahead_as_honest_peers_change_nothing(top, honest_peers, liar_steps):
+    honest = {f"h{i}".encode(): (record(step=top - i % 3), NOW + 60) for i in range(honest_peers)}  # 2 epochs apart
+    liars = {
+        f"l{i}".encode(): (record(step=max(step, top + 3), loss=1e6, mini_steps=1, samples=2**39, sps=1e7), NOW + 60)
+        for i, step in enumerate(liar_steps[:honest_peers])
+    }
+    assert aggregate({**honest, **liars}, NOW, step_lag=2) == aggregate(honest, NOW, step_lag=2)
