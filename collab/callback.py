@@ -41,6 +41,30 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return not sums or bool(torch.isfinite(torch.stack(sums)).all())
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """A verified monitor checkpoint read into memory: what ``--resume_from`` puts into place."""
+
+    path: str
+    step: int
+    weights: dict
+    optimizer_state: dict
+
+
+def read_resume_point(path: str, model_class: type) -> ResumePoint:
+    """Verify ``path`` (a folder, or the web app's ``checkpoint-<step>.tar.gz``) against its manifest and read it;
+    nothing in it is unpickled beyond tensors and plain data. Read before the DHT starts: bad input costs nothing."""
+    try:
+        with opened_checkpoint(path) as (folder, manifest):
+            weights = load_model(folder, model_class).state_dict()
+            state = load_optimizer_state(folder)
+    except CheckpointError as e:
+        raise CheckpointError(f"--resume_from: {e}") from None
+    if not isinstance(state, dict) or "optimizer" not in state:
+        raise CheckpointError(f"--resume_from: {path}: {OPTIMIZER_STATE} holds no optimizer state")
+    return ResumePoint(path, manifest.step, weights, state["optimizer"])
+
+
 class CollaborativeCallback:
     """Publishes this peer's LocalMetrics once per new global epoch and guards the parameters.
 
@@ -68,10 +92,10 @@ class CollaborativeCallback:
         self.backup = None
         self.rollbacks = 0
 
-    def on_train_begin(self, resume_from: str | None = None) -> None:
-        """Start from ``resume_from`` (a monitor checkpoint) if given, then take any newer state the peers have."""
-        if resume_from is not None:
-            self.resume_from_checkpoint(resume_from)
+    def on_train_begin(self, resume: ResumePoint | None = None) -> None:
+        """Start from ``resume`` (a verified monitor checkpoint) if given, then take any newer state the peers have."""
+        if resume is not None:
+            self.resume_from(resume)
         logger.info("Loading the collaboration's state from peers (if any)")
         self.optimizer.load_state_from_peers()
         self.last_epoch = self.optimizer.local_epoch
@@ -140,25 +164,18 @@ class CollaborativeCallback:
         logger.warning("Parameters became NaN or infinite: restoring the backup (rollback #%d)", self.rollbacks)
         self._load_training_state(self.backup["model"], copy.deepcopy(self.backup["optimizer"]))
 
-    def resume_from_checkpoint(self, path: str) -> None:
-        """Load a checkpoint saved by the monitor (a folder, or the web app's ``checkpoint-<step>.tar.gz``) into the
-        model and optimizer, after verifying it against its manifest; nothing in it is unpickled beyond plain data."""
+    def resume_from(self, resume: ResumePoint) -> None:
+        """Put a checkpoint's model and optimizer state into place, at the checkpoint's global epoch."""
         try:
-            with opened_checkpoint(path) as (folder, manifest):
-                weights = load_model(folder, type(self.model)).state_dict()
-                state = load_optimizer_state(folder)
-        except CheckpointError as e:
-            raise CheckpointError(f"--resume_from: {e}") from None
-        try:
-            self._load_training_state(weights, state["optimizer"])
+            self._load_training_state(resume.weights, resume.optimizer_state)
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(
-                f"--resume_from: {path}: the model or {OPTIMIZER_STATE} does not fit this model ({type(e).__name__}); "
-                "resume with the --task and --model_name_or_path the checkpoint was trained with"
+                f"--resume_from: {resume.path}: the model or {OPTIMIZER_STATE} does not fit this model "
+                f"({type(e).__name__}); resume with the --task and --model_name_or_path it was trained with"
             ) from None
-        self.optimizer.state_averager.local_epoch = manifest.step
+        self.optimizer.state_averager.local_epoch = resume.step
         self.optimizer.state_averager._update_scheduler()
-        logger.info("Resumed from checkpoint %s (global epoch %d)", path, manifest.step)
+        logger.info("Resumed from checkpoint %s (global epoch %d)", resume.path, resume.step)
 
     @torch.no_grad()
     def _load_training_state(self, model_state: dict, optimizer_state: dict) -> None:

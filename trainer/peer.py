@@ -16,7 +16,7 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
-from collab.callback import CollaborativeCallback
+from collab.callback import CollaborativeCallback, read_resume_point
 from collab.dht import start_dht
 from collab.faults import install_training_faults
 from collab.optim import build_optimizer, finish_delayed_updates
@@ -67,6 +67,9 @@ def run_peer(
         dataset_args.dataset_path,
     )
 
+    resume = None
+    if collaboration_args.resume_from is not None:
+        resume = read_resume_point(collaboration_args.resume_from, type(model))
     validators, public_key = make_validators(peer_args.experiment_prefix)
     dht = start_dht(peer_args, validators)
     optimizer = None
@@ -82,7 +85,7 @@ def run_peer(
             collaboration_args.backup_every_steps,
         )
         install_training_faults(model, optimizer, callback)
-        callback.on_train_begin(collaboration_args.resume_from)
+        callback.on_train_begin(resume)
         batches = batch_stream(
             dataset,
             collator,

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
 from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
-from collab.callback import CollaborativeCallback
+from collab.callback import CollaborativeCallback, read_resume_point
 from collab.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -291,9 +291,9 @@ def test_a_real_peer_resumes_from_the_web_apps_archive(tmp_path):
             SCHEDULE,
         )
         try:
-            CollaborativeCallback(
-                dht, optimizer, peer_model, b"peer", "resume_archive", 600.0, 10
-            ).resume_from_checkpoint(str(archive))
+            CollaborativeCallback(dht, optimizer, peer_model, b"peer", "resume_archive", 600.0, 10).resume_from(
+                read_resume_point(str(archive), type(peer_model))
+            )
             resumed = optimizer.state_dict()
             last_lr = optimizer.state_averager.scheduler.get_last_lr()
         finally:
