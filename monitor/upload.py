@@ -9,6 +9,7 @@ Archives are streamed from disk, never held whole in memory, and each checkpoint
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import logging
 import secrets
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from collab.checkpoint import Manifest, VerifiedCheckpoints, latest_checkpoint, prune_checkpoints
+from collab.extras import require_extra
 from collab.storage import atomic_directory
 
 logger = logging.getLogger(__name__)
@@ -63,10 +65,16 @@ class HashingWriter:
 
 
 def write_archive(folder: Path, step: int, archive: Path) -> str:
-    """``tar.gz`` of ``folder`` as ``<step>/...`` into ``archive``; returns its sha256, computed while writing."""
+    """``tar.gz`` of ``folder`` as ``<step>/...`` into ``archive``; returns its sha256, computed while writing.
+
+    The same folder always gives the same bytes (no time in the gzip header; tarfile adds members sorted), so a retry
+    of an upload that did arrive is recognised by the web app, which never replaces a stored checkpoint."""
     with open(archive, "wb") as f:
         writer = HashingWriter(f)
-        with tarfile.open(fileobj=writer, mode="w:gz") as tar:
+        with (
+            gzip.GzipFile(filename="", mode="wb", fileobj=writer, mtime=0) as gz,
+            tarfile.open(fileobj=gz, mode="w") as tar,
+        ):
             tar.add(folder, arcname=str(step))
     return writer.digest.hexdigest()
 
@@ -127,7 +135,9 @@ class HttpTarget:
                 headers={**self.headers, "Content-Type": body.content_type},
                 timeout=self.timeout,
             )
-        if response.status_code >= 400:
+        if response.status_code == 409:  # the app keeps what it stored for this step: retrying cannot change that
+            logger.warning("%s already holds another archive of step %d; not uploaded", self.url, manifest.step)
+        elif response.status_code >= 400:
             raise RuntimeError(f"{self.url} answered {response.status_code}: {response.text[:200]}")
 
     def __str__(self) -> str:
@@ -158,6 +168,7 @@ def make_target(upload_to: str, token: str | None, keep: int) -> UploadTarget:
     if upload_to.startswith(("http://", "https://")):
         return HttpTarget(upload_to, token)
     if upload_to.startswith("hf://"):
+        require_extra("hub", "--upload_to hf://")
         return HubTarget(upload_to.removeprefix("hf://"))
     return FolderTarget(upload_to, keep)
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForMaskedLM
 
 import collab.checkpoint
 from collab.checkpoint import Manifest, list_checkpoints, read_manifest, remove_partial_saves, write_checkpoint
-from monitor.upload import FolderTarget, HttpTarget, Uploader
+from monitor.upload import FolderTarget, HttpTarget, Uploader, write_archive
 from trainer.model import tiny_bert_config
 
 
@@ -147,3 +147,12 @@ def test_the_uploader_hashes_each_checkpoint_once(tmp_path, model, monkeypatch):
 
     (repo / "3" / "optimizer.pt").write_bytes(b"damaged")  # a changed file is noticed at the next look
     assert uploader.upload_latest() is True and uploader.last_uploaded_step == 2
+
+
+def test_the_same_checkpoint_always_archives_to_the_same_bytes(tmp_path, model):
+    # The web app answers 409 to another archive of a stored step: a retry must send identical bytes to be taken.
+    folder = write_checkpoint(tmp_path / "repo", 4, model, None, {"optimizer": None})
+    first, second = tmp_path / "a.tar.gz", tmp_path / "b.tar.gz"
+    digests = write_archive(folder, 4, first), write_archive(folder, 4, second)
+    assert first.read_bytes()[4:8] == b"\0\0\0\0"  # gzip's MTIME field: no time stamp
+    assert digests[0] == digests[1] == hashlib.sha256(second.read_bytes()).hexdigest()
