@@ -1,0 +1,86 @@
+"""A groupmate that sends inf in every averaging round poisons nobody: the honest peers refuse its values, average
+among themselves, stay finite and can agree again.
+
+Honest A and B and liar C (tests/liar_peer.py: every part C sends into a gradient or parameter round is inf) train
+together until A or B has refused C's values in a gradient round and in a parameter round. C then leaves, and A and
+B are compared after a parameter round at learning rate 0. While C takes part they need not agree: C's own finite
+values still enter the part of each round that C reduces (the limit collab/averagers.py states), and C, refused by
+the others, drifts. With hivemind's plain averagers this test fails: A's and B's Lamb steps turn the inf gradients
+into NaN parameters and their callbacks roll back.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.integration.agreement import assert_parameters_agree, saved_parameters
+from trainer.local import LocalProcess, PeerProcess, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+# The learning rate decays to 0 at LR_ZERO_EPOCH (--total_steps). A and B are compared once both are two epochs past
+# it and past the epoch in which C left, after a parameter round without C at learning rate 0 (every 2nd epoch).
+LR_ZERO_EPOCH = 5
+SETTINGS = [
+    *("--target_batch_size", "128", "--matchmaking_time", "2", "--averaging_timeout", "15"),
+    *("--total_steps", str(LR_ZERO_EPOCH)),
+]
+DROPPED = {kind: re.compile(rf"{kind} round: dropped the contribution of [1-9]") for kind in ("Gradient", "Parameter")}
+ROLLBACK = "restoring the backup"  # collab.callback's line when parameters became NaN or infinite
+
+
+def refused_in_both_kinds(peers: list[LocalProcess]) -> bool:
+    """Whether one of ``peers`` refused a groupmate's values in a gradient round, and one in a parameter round."""
+    logs = [peer.log() for peer in peers]
+    return all(any(pattern.search(log) for log in logs) for pattern in DROPPED.values())
+
+
+def rolled_back(peer: LocalProcess) -> bool:
+    return ROLLBACK in peer.log()
+
+
+def test_honest_peers_refuse_a_groupmates_inf_and_still_agree(tmp_path, sample_data):
+    common = ["--experiment_prefix", f"liar{int(time.time())}", *SETTINGS]
+    a = PeerProcess([*common, "--output_dir", str(tmp_path / "A")], tmp_path / "A.log")
+    peers = [a]
+    try:
+        join = a.join_flags(120)
+        b = PeerProcess([*common, *join, "--output_dir", str(tmp_path / "B")], tmp_path / "B.log")
+        peers.append(b)
+        c = LocalProcess(
+            [*common, *join, "--output_dir", str(tmp_path / "C")], tmp_path / "C.log", script="tests/liar_peer.py"
+        )
+        peers.append(c)
+        honest = [a, b]
+        wait_until(
+            lambda: any(map(rolled_back, honest)) or refused_in_both_kinds(honest),
+            240,
+            "A or B to refuse C's values in a gradient and in a parameter round",
+        )
+        assert not any(map(rolled_back, honest)), "non-finite values reached A's or B's step: it rolled back"
+        liar_code = c.stop(timeout=60)
+        compared_epoch = max(LR_ZERO_EPOCH, *(p.latest_epoch() for p in honest)) + 2
+        wait_until(
+            lambda: all(p.latest_epoch() >= compared_epoch for p in honest),
+            240,
+            f"A and B to reach epoch {compared_epoch}",
+        )
+        for peer in honest:
+            peer.process.send_signal(signal.SIGTERM)
+        codes = [peer.wait(timeout=60) for peer in honest]
+    finally:
+        for peer in peers:
+            peer.stop()
+    assert (codes, liar_code) == ([0, 0], 0)
+
+    for peer in honest:
+        assert not rolled_back(peer), f"{peer.log_path.stem} rolled back: non-finite values reached its step"
+        assert max(peer.averaging_group_sizes(), default=0) == 3, "C never joined A's and B's gradient rounds"
+    first, second = saved_parameters(tmp_path / "A"), saved_parameters(tmp_path / "B")
+    assert all(torch.isfinite(tensor).all() for tensor in first.values())
+    assert_parameters_agree(first, second, "A and B", " (C sent inf in every round)")
