@@ -109,6 +109,7 @@ class CheckpointSaver:
         if epoch is None or (self.last_saved_step is not None and epoch <= self.last_saved_step):
             self._next_try = time.monotonic() + self.retry_period
             return None
+        self.averager._update_scheduler()
         folder = write_checkpoint(
             self.repo_path, epoch, self.model, self.tokenizer, self.optimizer_state(epoch), loss=loss, peers=peers
         )
@@ -138,11 +139,16 @@ class CheckpointSaver:
         averager = self.averager
         previous_epoch = averager.local_epoch
         averager.local_epoch = -1  # accept any peer's state; a stale one is rejected below by its epoch
+        # hivemind steps the scheduler once per epoch of the state it loads: a liar's 2^39 would take months.
+        # maybe_save brings it up to date once the epoch is known to be the swarm's.
+        scheduler, averager.scheduler = averager.scheduler, None
         started = time.monotonic()
         try:
             averager.load_state_from_peers(timeout=self.load_timeout)
         except Exception as e:  # a timeout, a peer that left mid-download, ...: try again later
             logger.warning("Downloading the state from peers failed (%s: %s); will retry", type(e).__name__, e)
+        finally:
+            averager.scheduler = scheduler
         if averager.local_epoch < 0:
             averager.local_epoch = previous_epoch
             logger.warning("No peer sent its state within %.0f s; will retry", self.load_timeout)

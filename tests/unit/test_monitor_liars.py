@@ -8,11 +8,14 @@ import pytest
 from hivemind.utils import get_dht_time
 from transformers import AutoModelForMaskedLM
 
+from arguments import AveragerArguments, OptimizerArguments, PeerArguments, TrainingArguments
 from collab.checkpoint import latest_checkpoint, read_manifest, write_checkpoint
+from collab.optim import build_state_averager
 from collab.schema import metrics_key
 from monitor.checkpoints import CheckpointSaver, default_epoch_tolerance, epoch_in_reach, set_aside_checkpoints_past
 from monitor.run import MonitorState, last_step_within_reach, refresh
 from monitor.sinks import JsonLinesSink, last_step_in
+from trainer.local import wait_until
 from trainer.model import tiny_bert_config
 
 PREFIX = "liar_test"
@@ -101,3 +104,44 @@ def test_a_checkpoint_far_past_the_swarm_is_set_aside_and_saving_goes_on(tmp_pat
     write_checkpoint(tmp_path, 2**39, model, None, {"optimizer": None}, loss=3.5, peers=2)
     assert set_aside_checkpoints_past(tmp_path, 18) == [tmp_path / f"rejected-{2**39}-1"]
     assert set_aside_checkpoints_past(tmp_path, 3) == [tmp_path / "rejected-4"]
+
+
+def test_the_saver_skips_a_liar_s_state_promptly_and_saves_the_swarm_s(tmp_path, caplog):
+    """A real peer serves its state under epoch 2^39: the monitor's saver downloads it without stepping the
+    scheduler 2^39 times, saves nothing, and saves the next state whose epoch is the swarm's."""
+    prefix = "liar_state_test"
+    peer_args = PeerArguments(experiment_prefix=prefix)
+    settings = (OptimizerArguments(), AveragerArguments(), TrainingArguments(warmup_steps=2, total_steps=100))
+    serving_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    monitor_dht = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=serving_dht.get_visible_maddrs()
+    )
+    serving = monitor = None
+    try:
+        model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
+        serving = build_state_averager(model, serving_dht, peer_args, *settings)
+        serving.allow_state_sharing = True
+        serving.local_epoch = LIAR_STEP
+        monitor_model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
+        monitor = build_state_averager(monitor_model, monitor_dht, peer_args, *settings)
+        saver = CheckpointSaver(
+            monitor, monitor_model, None, str(tmp_path), 5, 2, load_timeout=10, retry_period=0, epoch_tolerance=12
+        )
+        with caplog.at_level(logging.WARNING, logger="monitor.checkpoints"):
+            wait_until(
+                lambda: saver.maybe_save(8, 3.0, 2) is None and "Not saving the state of global epoch" in caplog.text,
+                timeout=60,
+                what="the monitor to download the liar's state",
+                poll=0.1,
+            )
+        assert saver.last_saved_step is None and not list(tmp_path.iterdir())
+        assert f"global epoch {LIAR_STEP}: the swarm is at step 8" in caplog.text
+        serving.local_epoch = 9
+        wait_until(lambda: saver.maybe_save(8, 3.0, 2) is not None, 60, "the swarm's state to be saved", poll=0.1)
+        assert saver.last_saved_step == 9 and read_manifest(tmp_path / "9").step == 9
+        assert monitor.scheduler._step_count == 10  # stepped once per epoch up to 9, as hivemind does
+    finally:
+        for averager in filter(None, (monitor, serving)):
+            averager.shutdown()
+        monitor_dht.shutdown()
+        serving_dht.shutdown()
