@@ -25,3 +25,9 @@ def assert_parameters_agree(first: dict, second: dict, peers: str, context: str 
             rtol=1e-2,
             msg=lambda detail, name=name: f"{peers} differ in {name}{context}: {detail}",
         )
+
+
+def assert_finite(parameters: dict, peer: str) -> None:
+    """Every value of every tensor finite; the message names ``peer`` and the first tensor that is not."""
+    for name, tensor in parameters.items():
+        assert torch.isfinite(tensor).all(), f"{peer} saved non-finite values in {name}"

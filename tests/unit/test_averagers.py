@@ -17,6 +17,7 @@ from collab.averagers import (
     is_acceptable_contribution,
     keep_local_where_non_finite,
 )
+from tests.local_dht import two_dhts
 
 TENSOR_SIZES = (1000, 24)  # values; several parts per reducer with the small part size below
 PART_SIZE_BYTES = 512
@@ -110,3 +111,30 @@ def test_honest_peers_drop_a_liars_non_finite_values_in_both_directions(caplog):
     assert averaged_count >= sum(TENSOR_SIZES) // 2  # two of three reducers are honest
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert sum(message.startswith("Gradient round: dropped") for message in warnings) >= 2  # once per honest peer
+
+
+def test_a_finite_gradient_averager_refuses_a_plain_hivemind_liar():
+    """A real FiniteGradientAverager and a plain hivemind GradientAverager whose gradients are inf average together
+    (same RPC names); the honest one ends with its own gradients, finite, for every value."""
+    honest_model, liar_model = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    for param in honest_model.parameters():
+        param.grad = torch.randn_like(param)
+    for param in liar_model.parameters():
+        param.grad = torch.full_like(param, float("inf"))
+    own = [param.grad.clone() for param in honest_model.parameters()]
+    options = dict(prefix="liar_test", target_group_size=2, min_matchmaking_time=2.0, part_size_bytes=PART_SIZE_BYTES)
+    with two_dhts() as (first, second):
+        honest = FiniteGradientAverager(honest_model.parameters(), dht=first, start=True, **options)
+        liar = GradientAverager(liar_model.parameters(), dht=second, start=True, **options)
+        try:
+            for averager in (honest, liar):
+                averager.accumulate_grads_(batch_size=1)
+            rounds = [averager.step(wait=False, timeout=30) for averager in (honest, liar)]
+            assert len(rounds[0].result(timeout=40)) == 2, "the two averagers did not form a group"
+            with honest.get_tensors() as averaged:
+                for averaged_grad, own_grad in zip(averaged, own, strict=True):
+                    assert torch.isfinite(averaged_grad).all()
+                    torch.testing.assert_close(averaged_grad, own_grad)
+        finally:
+            honest.shutdown()
+            liar.shutdown()
