@@ -296,7 +296,7 @@ class CollaborationArguments:
         default=600.0,
         metadata={
             "help": "Lifetime of this peer's published metrics in the DHT (s); the monitor counts a peer "
-            "alive until its record expires or falls alive_step_lag global epochs behind"
+            "alive until its record expires or falls alive_step_lag global epochs behind the swarm's step"
         },
     )
     backup_every_steps: int = field(
@@ -310,8 +310,9 @@ class CollaborationArguments:
     resume_from: str | None = field(
         default=None,
         metadata={
-            "help": "Checkpoint folder saved by the monitor (<repo_path>/<step>) to start from when no peer is "
-            "online to download the state from; ignored when peers have a newer state"
+            "help": "Checkpoint saved by the monitor (its folder <repo_path>/<step>, or a checkpoint-<step>.tar.gz "
+            "downloaded from the web app) to start from when no peer is online to download the state from; ignored "
+            "when peers have a newer state"
         },
     )
 
@@ -461,9 +462,10 @@ class MonitorArguments:
         default=2,
         metadata={
             "help": "A peer counts as alive, and its loss and samples/s in the aggregate, while its newest metrics "
-            "record is at most this many global epochs behind the newest one (global epochs). A peer that died or "
-            "fell behind stops counting after that many epochs instead of when its record expires "
-            "(statistics_expiration); raise it when epochs last only a few seconds"
+            "record is at most this many global epochs behind the swarm's step (the newest step an honest majority "
+            "reached; records more than this many ahead of it are ignored). A peer that died or fell behind stops "
+            "counting after that many epochs instead of when its record expires (statistics_expiration); raise it "
+            "when epochs last only a few seconds"
         },
     )
     report_url: str | None = field(
@@ -697,7 +699,10 @@ def parse_args_or_exit(dataclass_types: Sequence[type], argv: Sequence[str] | No
     try:
         return parse_args(dataclass_types, argv, prog=prog)
     except ConfigError as e:
-        print(f"{prog or 'error'}: error: {e}", file=sys.stderr)
+        from collab.entry import escape_control_characters  # collab.entry imports this module
+
+        # A remote config's keys and values are in the message: they must not forge lines.
+        print(f"{prog or 'error'}: error: {escape_control_characters(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
