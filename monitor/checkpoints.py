@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 
 from arguments import MonitorArguments
-from collab.checkpoint import latest_checkpoint, prune_checkpoints, remove_partial_saves, write_checkpoint
+from collab.checkpoint import (
+    VerifiedCheckpoints,
+    latest_checkpoint,
+    prune_checkpoints,
+    remove_partial_saves,
+    write_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +89,9 @@ class CheckpointSaver:
         self.epoch_tolerance = epoch_tolerance
         self._next_try = 0.0
         self.evaluator = evaluator  # trainer.evaluate.CheckpointEvaluator, or None: never evaluate
+        self.verified = VerifiedCheckpoints()  # each kept checkpoint is hashed once, not at every save
         remove_partial_saves(self.repo_path)
-        found = latest_checkpoint(self.repo_path)
+        found = latest_checkpoint(self.repo_path, self.verified.read_manifest)
         self.last_saved_step: int | None = found[1].step if found else None
         if found:
             logger.info(
@@ -114,13 +121,13 @@ class CheckpointSaver:
             self.repo_path, epoch, self.model, self.tokenizer, self.optimizer_state(epoch), loss=loss, peers=peers
         )
         self.last_saved_step = epoch
-        removed = prune_checkpoints(self.repo_path, self.keep)
+        removed = prune_checkpoints(self.repo_path, self.keep, self.verified.read_manifest)
         logger.info("Saved checkpoint %s%s", folder, f" (removed {len(removed)} older)" if removed else "")
         return folder
 
     def _forget_checkpoints_past(self, limit: int) -> None:
         moved = set_aside_checkpoints_past(self.repo_path, limit)
-        found = latest_checkpoint(self.repo_path)
+        found = latest_checkpoint(self.repo_path, self.verified.read_manifest)
         logger.warning(
             "Checkpoints past global step %d, where the swarm is not (a liar's state or an earlier run), renamed: "
             "%s; saving goes on from %s",

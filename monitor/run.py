@@ -25,6 +25,7 @@ from arguments import (
     to_config,
 )
 from collab.dht import start_dht
+from collab.extras import require_extra
 from collab.optim import build_state_averager
 from collab.schema import make_validators, read_metrics
 from monitor.aggregate import far_ahead, live_metrics, summarize
@@ -153,6 +154,8 @@ def run_monitor(
     """Run until ``stop`` is set. ``peer_args.web_token`` authenticates web reports and http uploads."""
     token = peer_args.web_token
     validators, _ = make_validators(peer_args.experiment_prefix)
+    if monitor_args.wandb_project is not None:
+        require_extra("wandb", "--wandb_project")  # before the DHT starts: a missing extra is one line, nothing else
     dht = start_dht(peer_args, validators, client_mode=False)
     config = to_config(peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args)
     for secret in SECRET_SETTINGS:
