@@ -17,10 +17,12 @@ on, so nothing is raised into the training loop. This peer's own values are not 
 (the callback rolls back non-finite parameters, the loop drops a NaN loss).
 
 Limits. Only non-finite values are refused: a groupmate can still send finite garbage (huge, wrong-signed or random
-gradients, parameters of another model, an inflated weight), and the average moves by its share. hivemind does not
-authenticate averaging traffic, so nothing ties a contribution to a known participant, and a peer can join as many
-times as it likes. Bounding a contribution (median or trimmed mean, norm clipping) would need every peer to see all
-contributions of a part, which butterfly all-reduce does not give.
+gradients, parameters of another model, an inflated weight that gives it nearly all of the average), and the
+average moves by its share; a reducer can send back a finite wrong average for the part it reduces, and its own
+finite values always enter that part. hivemind does not authenticate averaging traffic: any peer ID may join a group,
+a new one costs nothing, so a refused peer comes back under another identity, or several at once. A refused peer is
+refused for the rest of that round only. Bounding a contribution (median or trimmed mean, norm clipping) would need
+every peer to see all contributions of a part, which butterfly all-reduce does not give.
 
 The subclasses keep hivemind's RPC names (hivemind names each handler after the class), so they average with plain
 hivemind averagers and the monitor's ``TrainingStateAverager`` can still download their state.
