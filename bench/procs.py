@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,7 +123,7 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
 
 
-def _tc(netns: str, device: str, rate_mbit: float) -> None:
+def _tc(netns: str, device: str, rate_mbit: float, action: str = "add") -> None:
     subprocess.run(
         [
             "ip",
@@ -130,7 +132,7 @@ def _tc(netns: str, device: str, rate_mbit: float) -> None:
             netns,
             "tc",
             "qdisc",
-            "add",
+            action,
             "dev",
             device,
             "root",
@@ -177,3 +179,110 @@ def shaped_link(rate_mbit: float, names: tuple[str, str] = ("bench_a", "bench_b"
         for name in created:
             with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
                 _ip("netns", "del", name)
+
+
+@dataclasses.dataclass(frozen=True)
+class WanPeer:
+    """One emulated site: its namespace, its address on the hub's subnet and its end of the link (inside netns)."""
+
+    netns: str
+    address: str
+    device: str
+
+
+def link_bytes(ip_json: str) -> dict[str, int]:
+    """``{"tx_bytes", "rx_bytes"}`` from ``ip -j -s link show dev DEV``: the kernel's own count of the link's bytes."""
+    stats = json.loads(ip_json)[0]["stats64"]
+    return {"tx_bytes": int(stats["tx"]["bytes"]), "rx_bytes": int(stats["rx"]["bytes"])}
+
+
+class HubNetwork:
+    """Peers in their own namespaces, each joined by a shaped veth pair to a bridge in a hub namespace."""
+
+    def __init__(self, peers: list[WanPeer], hub: str, prefix: str):
+        self.peers = peers
+        self.hub = hub
+        self.prefix = prefix
+
+    def set_rates(self, upload_mbit: float, download_mbit: float) -> None:
+        """Reshape every peer's link in place (``tc qdisc replace``); connections stay up."""
+        for rank, peer in enumerate(self.peers):
+            _tc(peer.netns, peer.device, upload_mbit, "replace")
+            _tc(self.hub, f"{self.prefix}_h{rank}", download_mbit, "replace")
+
+    def counters(self) -> list[dict[str, int]]:
+        """Each peer's link counters as its kernel keeps them: tx_bytes is what the peer sent, rx_bytes received."""
+        return [
+            link_bytes(_ip_output("-n", peer.netns, "-j", "-s", "link", "show", "dev", peer.device))
+            for peer in self.peers
+        ]
+
+
+def _ip_output(*args: str) -> str:
+    return subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20, text=True).stdout
+
+
+@contextlib.contextmanager
+def hub_network(
+    peers: int, upload_mbit: float, download_mbit: float, prefix: str = "wan", subnet: str = "10.78.0"
+) -> Iterator[HubNetwork]:
+    """``peers`` namespaces ``{prefix}_{i}`` (address ``{subnet}.{i+1}``) joined by a bridge in ``{prefix}_hub``.
+
+    Each peer's upload is shaped with tbf on its own end of the veth pair and its download on the hub's end, so every
+    site has its own access link, as home or office peers on the internet do. The subnet exists only inside these
+    namespaces. Everything is deleted on exit however the block ends (deleting a namespace deletes its links); a stale
+    set of the same names, left by a killed run, is deleted first. Raises OSError where namespaces are unavailable.
+    """
+    if not 2 <= peers <= 200:
+        raise ValueError(f"peers must be 2 to 200, not {peers}")
+    hub = f"{prefix}_hub"
+    names = [f"{prefix}_{rank}" for rank in range(peers)]
+    created: list[str] = []
+    try:
+        try:
+            network = _build_hub(hub, names, upload_mbit, download_mbit, prefix, subnet, created)
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            detail = detail if isinstance(detail, str) else detail.decode(errors="replace")
+            raise OSError(f"network namespaces unavailable: {e} {detail.strip()}") from None
+        yield network
+    finally:
+        for name in reversed(created):
+            with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+                _ip("netns", "del", name)
+
+
+def _build_hub(
+    hub: str, names: list[str], upload_mbit: float, download_mbit: float, prefix: str, subnet: str, created: list
+) -> HubNetwork:
+    """Make the namespaces (each name appended to ``created`` as it exists), the bridge and the shaped links."""
+    if not _has_ip():
+        raise FileNotFoundError("the `ip` command (iproute2) is not installed")
+    existing = {line.split()[0] for line in _ip_output("netns", "list").splitlines() if line.strip()}
+    for name in [hub, *names]:
+        if name in existing:
+            _ip("netns", "del", name)
+    for name in [hub, *names]:
+        _ip("netns", "add", name)
+        created.append(name)
+    bridge = f"{prefix}_br"
+    _ip("-n", hub, "link", "add", bridge, "type", "bridge")
+    _ip("-n", hub, "link", "set", bridge, "up")
+    members = []
+    for rank, name in enumerate(names):
+        device, hub_end = f"{prefix}_p{rank}", f"{prefix}_h{rank}"
+        _ip("link", "add", device, "netns", name, "type", "veth", "peer", "name", hub_end, "netns", hub)
+        _ip("-n", hub, "link", "set", hub_end, "master", bridge)
+        _ip("-n", hub, "link", "set", hub_end, "up")
+        address = f"{subnet}.{rank + 1}"
+        _ip("-n", name, "addr", "add", f"{address}/24", "dev", device)
+        _ip("-n", name, "link", "set", device, "up")
+        _ip("-n", name, "link", "set", "lo", "up")
+        _tc(name, device, upload_mbit)
+        _tc(hub, hub_end, download_mbit)
+        members.append(WanPeer(name, address, device))
+    return HubNetwork(members, hub, prefix)
+
+
+def _has_ip() -> bool:
+    return shutil.which("ip") is not None

@@ -1,0 +1,109 @@
+"""A bench-only peer with shadow compute: ``python -m bench.shadow STEPS.jsonl [trainer flags] [--layers N]
+[--micro_batch_s S]``.
+
+Forward and backward are a calibrated wait (``--micro_batch_s``, the time the GPU represented takes for a
+micro-batch); the gradients have GPT-2 small's shapes (124M parameters with 12 layers), so real-size payloads cross
+the link, through the same optimizer as real peers (``collab.optim.build_optimizer``: hivemind.Optimizer over Lamb).
+Valid for utilisation and traffic, never for loss. Appends ``[time, samples, epoch]`` to STEPS.jsonl per step, as
+``bench.probe`` does. Memory: about 9 copies of the parameters in fp32 per peer (model, gradients, offloaded
+parameters and gradients, Lamb's two moments, the averagers' buffers), 4.5 GB with 12 layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+
+import torch
+
+GPT2_VOCAB, GPT2_POSITIONS, GPT2_HIDDEN = 50257, 1024, 768
+MICRO_BATCH = 16  # samples a shadow step counts, as the trainer's default per_device_train_batch_size
+
+logger = logging.getLogger(__name__)
+
+
+def gpt2_shapes(layers: int = 12) -> list[tuple[int, ...]]:
+    """GPT-2 small's parameter shapes (tied output embedding), with ``layers`` transformer blocks."""
+    h = GPT2_HIDDEN
+    block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+    return [(GPT2_VOCAB, h), (GPT2_POSITIONS, h), *block * layers, (h,), (h,)]
+
+
+def shadow_numel(layers: int = 12) -> int:
+    return sum(torch.Size(shape).numel() for shape in gpt2_shapes(layers))
+
+
+@dataclasses.dataclass
+class ShadowArguments:
+    layers: int = dataclasses.field(default=12, metadata={"help": "GPT-2 blocks whose shapes the gradients take"})
+    micro_batch_s: float = dataclasses.field(
+        default=0.2, metadata={"help": "Seconds of emulated forward and backward per micro-batch (the GPU's time)"}
+    )
+
+    def __post_init__(self) -> None:
+        from arguments import ConfigError
+
+        if not 1 <= self.layers <= 48:
+            raise ConfigError(f"--layers: must be 1 to 48 (got {self.layers})")
+        if not 0 < self.micro_batch_s <= 60:
+            raise ConfigError(f"--micro_batch_s: must be over 0 and at most 60 seconds (got {self.micro_batch_s})")
+
+
+class ShadowModel(torch.nn.Module):
+    """Parameters of GPT-2's shapes with fixed random gradients; nothing is ever computed from them."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.02) for shape in gpt2_shapes(layers)
+        )
+        for param in self.weights:
+            param.grad = torch.randn(param.shape, generator=generator) * 1e-3
+
+
+def run_shadow(peer_args, optimizer_args, averager_args, tracker_args, training_args, shadow_args, stop) -> None:
+    from collab.dht import start_dht
+    from collab.optim import build_optimizer, finish_delayed_updates
+    from collab.schema import make_validators
+
+    training_args.per_device_train_batch_size = MICRO_BATCH
+    training_args.gradient_accumulation_steps = 1
+    model = ShadowModel(shadow_args.layers)
+    logger.info("Shadow model: %.1fM parameters", shadow_numel(shadow_args.layers) / 1e6)
+    validators, _ = make_validators(peer_args.experiment_prefix)
+    dht = start_dht(peer_args, validators)
+    optimizer = None
+    try:
+        optimizer = build_optimizer(model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args)
+        while not stop.is_set():
+            time.sleep(shadow_args.micro_batch_s)  # the GPU's forward and backward
+            optimizer.step(batch_size=MICRO_BATCH)
+    finally:
+        if optimizer is not None:
+            finish_delayed_updates(optimizer, timeout=10)
+            optimizer.shutdown()
+        dht.shutdown()
+
+
+def main(argv=None) -> int:
+    from arguments import (
+        AveragerArguments,
+        OptimizerArguments,
+        PeerArguments,
+        ProgressTrackerArguments,
+        TrainingArguments,
+    )
+    from bench.probe import instrument
+    from collab.entry import run_program
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    instrument(argv[0])
+    groups = (PeerArguments, OptimizerArguments, AveragerArguments, ProgressTrackerArguments, TrainingArguments)
+    return run_program("bench.shadow", (*groups, ShadowArguments), run_shadow, argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

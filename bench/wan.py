@@ -1,0 +1,433 @@
+"""Emulated wide-area network: peers in their own network namespaces behind shaped access links, bytes counted by
+the kernel. ``python -m bench.wan [--quick]`` (also ``python -m bench --only wan``); the last line is one JSON object.
+
+Two ways stand for GPU peers on these CPUs, and every figure says which one it used:
+
+- *rate scaling* (real compute, ``run_trainer.py``): the links are shaped so that a synchronous round's time over an
+  epoch's compute time equals that of the setting represented (``SETTING``); the CPU's compute time per epoch is
+  measured in the same run, by the same peers training alone.
+- *shadow compute* (``bench.shadow``): forward and backward are a calibrated wait, the gradients have GPT-2 small's
+  shapes, so real-size payloads cross a link shaped to the setting's own rate. Utilisation and traffic only.
+
+This kernel has no ``sch_netem``: the links add no delay or loss, only a bandwidth limit (tbf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bench.formulas import MBIT, allreduce_bytes_per_peer, ratio
+from bench.procs import ONE_THREAD, Child, HubNetwork, children, hub_network, read_json_lines, wait_for
+from trainer.local import JOIN_LINE
+
+FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per parameter per token
+FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
+SUMMARY_KEYS = ("wan_efficiency_sync", "wan_efficiency_lowcomm", "bits_per_param_per_step", "lowcomm_loss_ratio")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A swarm of GPU peers on the internet, the thing the emulation stands for."""
+
+    name: str
+    params: int
+    gpu_flops: float  # sustained FLOP/s of one peer
+    link_mbit: float  # each peer's access link, each way
+    tokens_per_peer_per_epoch: int
+    peers: int
+
+    def __post_init__(self) -> None:
+        for name in ("params", "gpu_flops", "link_mbit", "tokens_per_peer_per_epoch"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.peers < 2:
+            raise ValueError(f"peers must be 2 or more, not {self.peers}")
+
+
+# sahajBERT's batch (4096 sequences of 128 tokens a global step) shared by three peers.
+SETTING = Setting(
+    "BERT-base (110M parameters), 60 TFLOP/s per GPU, 100 Mbit/s links, 4096 x 128 tokens per step, 3 peers",
+    params=110_000_000,
+    gpu_flops=60e12,
+    link_mbit=100.0,
+    tokens_per_peer_per_epoch=4096 * 128 // 3,
+    peers=3,
+)
+# GPT-2 small, 16 sequences of 1024 tokens per micro-batch, on the setting's GPU and link.
+SHADOW_TOKENS_PER_MICRO_BATCH = 16 * 1024
+
+
+def compute_s(params: int, tokens: int, gpu_flops: float) -> float:
+    """Seconds of forward and backward over ``tokens`` tokens: 6·P·tokens / FLOP/s."""
+    return FLOPS_PER_PARAM_TOKEN * params * tokens / gpu_flops
+
+
+def comm_to_compute(setting: Setting) -> float:
+    """R: a synchronous fp16 all-reduce round's time over one epoch's compute time, in the setting represented."""
+    round_s = allreduce_bytes_per_peer(setting.params, setting.peers) / (setting.link_mbit * MBIT)
+    return round_s / compute_s(setting.params, setting.tokens_per_peer_per_epoch, setting.gpu_flops)
+
+
+def scaled_rate_mbit(setting: Setting, params: int, epoch_compute_s: float) -> float:
+    """The link rate at which ``params`` parameters, computed in ``epoch_compute_s`` per epoch on this machine, have
+    the setting's ratio R of a synchronous round's time to an epoch's compute (same number of peers)."""
+    if not params > 0 or not epoch_compute_s > 0:
+        raise ValueError(f"params and epoch_compute_s must be positive, not {params} and {epoch_compute_s}")
+    round_s = comm_to_compute(setting) * epoch_compute_s
+    return allreduce_bytes_per_peer(params, setting.peers) / round_s / MBIT
+
+
+def bits_per_param_per_step(sent_and_received_bytes: float, params: int, steps: float) -> float | None:
+    """A peer's link traffic, both directions, in bits per model parameter per inner step."""
+    if not params > 0 or not steps > 0:
+        return None
+    return sent_and_received_bytes * 8 / params / steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """What the peers did between two instants: samples/s of all together, and each peer's steps and epochs."""
+
+    samples_per_second: float
+    records: list[int]  # optimizer.step calls (inner steps with accumulation 1) of each peer
+    epochs: list[int]  # global epochs each peer entered
+
+
+def window_figures(peers_steps: Sequence[Sequence[Sequence[float]]], start: float, end: float) -> Window:
+    """From each peer's ``[time, samples, epoch]`` records (``bench.probe``), the part inside ``(start, end]``."""
+    if not end > start:
+        raise ValueError(f"an empty window: {start} to {end}")
+    inside = [[step for step in steps if start < step[0] <= end] for steps in peers_steps]
+    samples = sum(step[1] for steps in inside for step in steps)
+    epochs = []
+    for steps, within in zip(peers_steps, inside, strict=True):
+        before = [step[2] for step in steps if step[0] <= start]
+        first = before[-1] if before else (within[0][2] if within else 0)
+        epochs.append(int(within[-1][2] - first) if within else 0)
+    return Window(samples / (end - start), [len(steps) for steps in inside], epochs)
+
+
+@dataclasses.dataclass
+class Plan:
+    """How long each run lasts and what it covers; ``QUICK`` is a smoke run of a few minutes."""
+
+    peers: int = 3
+    target_batch_size: int = 256
+    seconds: float = 120.0  # measured window of each throughput run
+    lowcomm_variants: dict = dataclasses.field(default_factory=dict)
+    loss_steps_per_peer: int = 1000  # inner steps (micro-batches of 16) of each peer in each loss run
+    shadow_peers: int = 3
+    shadow_layers: int = 12
+    shadow_seconds: float = 120.0
+
+
+def lowcomm_flags(local_steps: int, compression: str) -> list[str]:
+    """The low-communication mode's flags (``run_trainer.py``): DiLoCo's outer Nesterov SGD, 0.7 and 0.9."""
+    return [
+        "--local_steps",
+        str(local_steps),
+        "--outer_learning_rate",
+        "0.7",
+        "--outer_momentum",
+        "0.9",
+        "--pseudo_grad_compression",
+        compression,
+    ]
+
+
+FULL = Plan(
+    lowcomm_variants={
+        f"H {h}, {c}": lowcomm_flags(h, c)
+        for h in (50, 200)
+        for c in ("fp16", "8bit", "topk")
+        if h == 200 or c != "topk"
+    },
+)
+QUICK = Plan(
+    seconds=30.0,
+    lowcomm_variants={"H 50, 8bit": lowcomm_flags(50, "8bit")},
+    loss_steps_per_peer=60,
+    shadow_peers=2,
+    shadow_layers=2,
+    shadow_seconds=30.0,
+)
+LOSS_VARIANT = lowcomm_flags(50, "8bit")
+
+
+def lowcomm_available() -> bool:
+    """Whether ``run_trainer.py`` has the low-communication mode (``--local_steps``)."""
+    from arguments import TRAINER_ARGUMENTS
+
+    return any(field.name == "local_steps" for group in TRAINER_ARGUMENTS for field in dataclasses.fields(group))
+
+
+def slow_link_flags(rate_mbit: float) -> list[str]:
+    """Timeouts that let a round finish on a slow link: a 64 KiB chunk may take seconds to come."""
+    chunk_s = max(10.0, 4 * 65536 * 8 / (rate_mbit * 1e6))
+    return ["--next_chunk_timeout", f"{chunk_s:.0f}", "--averaging_timeout", f"{max(300.0, 4 * chunk_s):.0f}"]
+
+
+def default_model_params() -> int:
+    """Parameters of the model ``run_trainer.py`` trains at its defaults."""
+    from arguments import DatasetArguments, TrainingArguments
+    from trainer.model import build_model, load_tokenizer
+
+    dataset_args = DatasetArguments()
+    model, _ = build_model(dataset_args, load_tokenizer(dataset_args), TrainingArguments().seed)
+    return sum(param.numel() for param in model.parameters())
+
+
+def run_swarm(
+    network: HubNetwork,
+    name: str,
+    flags: list[str],
+    log_dir: Path,
+    seconds: float,
+    together: bool = True,
+    module: str = "bench.probe",
+    rate_mbit: float | None = None,
+    stop_at_samples: int | None = None,
+    timeout: float = 1200,
+) -> dict:
+    """One process per peer, each in its namespace; ``together``: one swarm, else each alone (own experiment).
+
+    Peers start on a fast link (a newcomer's state download is not measured); once every peer is training, the links
+    are shaped to ``rate_mbit``, one epoch passes, and then ``seconds`` are measured: samples/s of all the peers and
+    each peer's link bytes by the kernel's counters. With ``stop_at_samples`` the peers instead run until each has
+    processed that many samples, and their saved models are returned.
+    """
+    stamp = int(time.time())
+    steps = [log_dir / f"{name}_{rank}.steps.jsonl" for rank in range(len(network.peers))]
+    outputs = [log_dir / f"{name}_{rank}_model" for rank in range(len(network.peers))]
+    for path in steps:
+        path.unlink(missing_ok=True)
+    network.set_rates(FAST_LINK_MBIT, FAST_LINK_MBIT)
+
+    def records():
+        return [read_json_lines(path) for path in steps]
+
+    with children() as started:
+        join: list[str] = []
+        for rank, peer in enumerate(network.peers):
+            prefix = f"wan_{name}_{stamp}" + ("" if together else f"_{rank}")
+            argv = [steps[rank], "--experiment_prefix", prefix, "--host_maddrs", f"/ip4/{peer.address}/tcp/0", *flags]
+            child = Child(
+                module,
+                [*argv, *join, "--output_dir", outputs[rank]],
+                log_dir / f"{name}_{rank}.log",
+                timeout,
+                env=ONE_THREAD,
+                netns=peer.netns,
+            )
+            started.append(child)
+            if together and not join:
+                found = wait_for(
+                    lambda child=child: JOIN_LINE.search(child.log()), 180, "the first address", 1, started
+                )
+                join = found.group(1).split()
+        wait_for(lambda: all(records()), 300, f"{name}: every peer training", 1, started)
+        if rate_mbit is not None:
+            network.set_rates(rate_mbit, rate_mbit)
+        shaped_epoch = max(steps[-1][2] for steps in records())
+        wait_for(lambda: min(s[-1][2] for s in records()) > shaped_epoch, 600, f"{name}: an epoch", 1, started)
+        counters, start = network.counters(), time.time()
+        if stop_at_samples:
+            wait_for(
+                lambda: all(sum(s[1] for s in peer) >= stop_at_samples for peer in records()),
+                timeout,
+                f"{name}: {stop_at_samples} samples per peer",
+                2,
+                started,
+            )
+        else:
+            wait_for(lambda: time.time() >= start + seconds, seconds + 60, f"{name}: the window", 1, started)
+        end, counters_end = time.time(), network.counters()
+        codes = [child.terminate() for child in started]
+    if stop_at_samples and any(codes):
+        raise RuntimeError(f"{name} peers exited with {codes}; see {log_dir}/{name}_*.log")
+    window = window_figures(records(), start, end)
+    traffic = [
+        (after["tx_bytes"] - before["tx_bytes"]) + (after["rx_bytes"] - before["rx_bytes"])
+        for before, after in zip(counters, counters_end, strict=True)
+    ]
+    return {
+        "samples_per_second": window.samples_per_second,
+        "window_s": end - start,
+        "records": window.records,
+        "epochs": window.epochs,
+        "link_bytes": traffic,
+        "samples": [sum(s[1] for s in peer) for peer in records()],
+        "models": outputs,
+    }
+
+
+def traffic_bits(run: dict, params: int, per_epoch: bool) -> float | None:
+    """Median over the peers of bits per parameter per step; a synchronous step is a global epoch."""
+    steps = run["epochs"] if per_epoch else run["records"]
+    values = [bits_per_param_per_step(b, params, s) for b, s in zip(run["link_bytes"], steps, strict=True)]
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def _public(run: dict) -> dict:
+    return {key: value for key, value in run.items() if key != "models"}
+
+
+def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Real compute, rate scaling: alone, synchronous, then each low-communication variant, on one hub network."""
+    from bench.training import held_out_loss
+
+    params = default_model_params()
+    common = ["--target_batch_size", str(plan.target_batch_size)]
+    with hub_network(plan.peers, FAST_LINK_MBIT, FAST_LINK_MBIT) as network:
+        alone = run_swarm(network, "alone", common, log_dir, plan.seconds, together=False)
+        progress("wan: alone")
+        epoch_compute_s = plan.target_batch_size / alone["samples_per_second"]
+        rate = scaled_rate_mbit(SETTING, params, epoch_compute_s)
+        slow = [*common, *slow_link_flags(rate), "--bandwidth", f"{rate:.4g}"]
+        sync = run_swarm(network, "sync", slow, log_dir, plan.seconds, rate_mbit=rate)
+        progress("wan: synchronous")
+        lowcomm: dict = {}
+        available = lowcomm_available()
+        for variant, flags in plan.lowcomm_variants.items():
+            if available:
+                run = run_swarm(
+                    network, f"lowcomm{len(lowcomm)}", [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate
+                )
+                lowcomm[variant] = _public(run) | {
+                    "efficiency": ratio(run["samples_per_second"], alone["samples_per_second"])
+                }
+                lowcomm[variant]["bits_per_param_per_step"] = traffic_bits(run, params, per_epoch=False)
+            else:
+                lowcomm[variant] = None
+            progress(f"wan: {variant}")
+        loss = None
+        if available:
+            stop = plan.loss_steps_per_peer * 16
+            losses = {}
+            for mode, flags in (("sync", []), ("lowcomm", LOSS_VARIANT)):
+                run = run_swarm(network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_samples=stop)
+                losses[mode] = {
+                    "samples": run["samples"],
+                    "losses": [held_out_loss(folder) for folder in run["models"]],
+                }
+            mean = {mode: sum(v["losses"]) / len(v["losses"]) for mode, v in losses.items()}
+            loss = {**losses, "ratio": ratio(mean["lowcomm"], mean["sync"]), "variant": " ".join(LOSS_VARIANT)}
+        progress("wan: loss")
+    return {
+        "params": params,
+        "epoch_compute_s": epoch_compute_s,
+        "comm_to_compute": comm_to_compute(SETTING),
+        "rate_mbit": rate,
+        "alone": _public(alone),
+        "sync": _public(sync)
+        | {
+            "efficiency": ratio(sync["samples_per_second"], alone["samples_per_second"]),
+            "bits_per_param_per_step": traffic_bits(sync, params, per_epoch=True),
+        },
+        "lowcomm": lowcomm,
+        "lowcomm_available": available,
+        "loss": loss,
+    }
+
+
+def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Shadow compute: GPT-2-shaped gradients over links at the setting's own rate, alone and together."""
+    from bench.shadow import shadow_numel
+
+    numel = shadow_numel(plan.shadow_layers)
+    micro_s = compute_s(numel, SHADOW_TOKENS_PER_MICRO_BATCH, SETTING.gpu_flops)
+    flags = ["--layers", str(plan.shadow_layers), "--micro_batch_s", f"{micro_s:.4f}"]
+    flags += ["--target_batch_size", str(16 * 16 * plan.shadow_peers)]
+    flags += [*slow_link_flags(SETTING.link_mbit), "--bandwidth", str(SETTING.link_mbit)]
+    with hub_network(plan.shadow_peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wansh", subnet="10.78.1") as network:
+        runs = {}
+        for mode, together in (("alone", False), ("sync", True)):
+            runs[mode] = run_swarm(
+                network,
+                f"shadow_{mode}",
+                flags,
+                log_dir,
+                plan.shadow_seconds,
+                together=together,
+                module="bench.shadow",
+                rate_mbit=SETTING.link_mbit,
+            )
+            progress(f"wan: shadow {mode}")
+    sync = runs["sync"]
+    return {
+        "params": numel,
+        "micro_batch_s": micro_s,
+        "rate_mbit": SETTING.link_mbit,
+        "alone": _public(runs["alone"]),
+        "sync": _public(sync)
+        | {
+            "efficiency": ratio(sync["samples_per_second"], runs["alone"]["samples_per_second"]),
+            "bits_per_param_per_step": traffic_bits(sync, numel, per_epoch=True),
+        },
+    }
+
+
+def measure(plan: Plan, log_dir: Path, progress: Callable[[str], None] = lambda _: None) -> dict:
+    """The wan part's figures; ``{"skipped": reason}`` where network namespaces are not allowed."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return {
+            "setting": dataclasses.asdict(SETTING),
+            "rate_scaled": rate_scaled(plan, log_dir, progress),
+            "shadow": shadow(plan, log_dir, progress),
+        }
+    except OSError as e:
+        return {"skipped": str(e)}
+
+
+def summarize(wan: dict) -> dict:
+    """The four summary figures; the best low-communication variant stands for the mode."""
+    if "skipped" in wan:
+        return {key: None for key in SUMMARY_KEYS}
+    scaled = wan["rate_scaled"]
+    variants = [run for run in scaled["lowcomm"].values() if run]
+    best = max(variants, key=lambda run: run["efficiency"] or 0, default=None)
+    bits = {
+        "sync": scaled["sync"]["bits_per_param_per_step"],
+        "shadow_sync": wan["shadow"]["sync"]["bits_per_param_per_step"],
+    }
+    bits |= {name: run["bits_per_param_per_step"] for name, run in scaled["lowcomm"].items() if run}
+    return {
+        "wan_efficiency_sync": scaled["sync"]["efficiency"],
+        "wan_efficiency_lowcomm": best and best["efficiency"],
+        "bits_per_param_per_step": bits,
+        "lowcomm_loss_ratio": scaled["loss"] and scaled["loss"]["ratio"],
+    }
+
+
+def rounded(value):
+    """Figures to 4 decimals for the summary line."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    return value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.wan", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few minutes, fewer and shorter runs")
+    parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/wan"), help="every process's log")
+    parser.add_argument("--output", type=Path, default=None, help="also write every figure as JSON here")
+    args = parser.parse_args(argv)
+    wan = measure(QUICK if args.quick else FULL, args.log_dir)
+    if args.output:
+        args.output.write_text(json.dumps(wan, default=str, indent=1) + "\n")
+    print(json.dumps(rounded(summarize(wan))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The emulated WAN: rate scaling's arithmetic, the shadow model's shapes, and the hub network itself (root only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from bench.formulas import MBIT
+from bench.procs import Child, children, hub_network, link_bytes
+from bench.shadow import gpt2_shapes, shadow_numel
+from bench.wan import (
+    SETTING,
+    Setting,
+    bits_per_param_per_step,
+    comm_to_compute,
+    compute_s,
+    scaled_rate_mbit,
+    window_figures,
+)
+
+
+def test_setting_ratio_is_round_time_over_compute_time():
+    # 3 peers: 2·(2/3)·110M·2 bytes = 293.3 MB at 12.5 MB/s = 23.47 s; 6·110M·174762 tokens at 60 TFLOP/s = 1.922 s
+    assert comm_to_compute(SETTING) == pytest.approx(23.4667 / 1.92238, rel=1e-4)
+
+
+def test_scaled_rate_keeps_the_ratio():
+    # The setting's own model and compute time give back the setting's own link.
+    own = compute_s(SETTING.params, SETTING.tokens_per_peer_per_epoch, SETTING.gpu_flops)
+    assert scaled_rate_mbit(SETTING, SETTING.params, own) == pytest.approx(SETTING.link_mbit)
+    # 1.45M parameters computed in 8 s an epoch: round of 3.867 MB must last R·8 s.
+    rate = scaled_rate_mbit(SETTING, 1_450_000, 8.0)
+    round_s = 2 * 2 / 3 * 1_450_000 * 2 / (rate * MBIT)
+    assert round_s / 8.0 == pytest.approx(comm_to_compute(SETTING))
+    assert rate == pytest.approx(0.3168, rel=1e-3)
+    # A machine twice as slow needs a link twice as slow.
+    assert scaled_rate_mbit(SETTING, 1_450_000, 16.0) == pytest.approx(rate / 2)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="link_mbit"):
+        dataclasses.replace(SETTING, link_mbit=0)
+    with pytest.raises(ValueError, match="peers"):
+        Setting("one", 1, 1.0, 1.0, 1, peers=1)
+    with pytest.raises(ValueError, match="epoch_compute_s"):
+        scaled_rate_mbit(SETTING, 1000, 0.0)
+
+
+def test_bits_per_param_per_step():
+    # 8-bit values both ways of a 2-peer all-reduce (P bytes each way) every 100 steps: 2·8/100 = 0.16.
+    assert bits_per_param_per_step(2_000_000, 1_000_000, 100) == pytest.approx(0.16)
+    assert bits_per_param_per_step(10, 1_000, 0) is None
+
+
+def test_window_counts_samples_steps_and_epochs_inside_it():
+    peers = [
+        [[1.0, 16, 0], [2.0, 16, 0], [3.0, 16, 1], [4.0, 16, 1], [5.0, 16, 2], [7.0, 16, 2]],
+        [[1.5, 16, 0], [2.5, 16, 1], [3.5, 16, 1], [6.5, 16, 3]],
+    ]
+    window = window_figures(peers, 2.0, 6.0)
+    assert window.records == [3, 2]
+    assert window.epochs == [2, 1]
+    assert window.samples_per_second == pytest.approx(5 * 16 / 4.0)
+    with pytest.raises(ValueError):
+        window_figures(peers, 3.0, 3.0)
+
+
+def test_shadow_shapes_are_gpt2_small():
+    import torch
+    from transformers import GPT2Config, GPT2Model
+
+    with torch.device("meta"):
+        model = GPT2Model(GPT2Config())
+    assert shadow_numel() == sum(p.numel() for p in model.parameters()) == 124_439_808
+    assert sorted(gpt2_shapes()) == sorted(tuple(p.shape) for p in model.parameters())
+
+
+def test_link_bytes_reads_the_kernel_counters():
+    text = '[{"ifname":"x","stats64":{"rx":{"bytes":12,"packets":1},"tx":{"bytes":34,"packets":2}}}]'
+    assert link_bytes(text) == {"tx_bytes": 34, "rx_bytes": 12}
+
+
+RATE_MBIT = 2.0
+PAYLOAD_MB = 0.25
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and `ip`")
+def test_hub_shapes_and_counts_a_transfer(tmp_path):
+    """Two namespaces through the hub: 250 kB each way at 2 Mbit/s take 1 s or more, and the kernel counts them."""
+    with hub_network(2, RATE_MBIT, RATE_MBIT, prefix="wantest", subnet="10.79.0") as network:
+        server, client = network.peers
+        before = network.counters()
+        with children() as started:
+            for role, peer in (("serve", server), ("send", client)):
+                args = [role, server.address, 5999, PAYLOAD_MB]
+                started.append(Child("bench.linktest", args, tmp_path / f"{role}.log", 30, netns=peer.netns))
+            assert [child.wait() for child in started] == [0, 0], started[1].log()
+            results = [child.log().split()[-2:] for child in started]
+        after = network.counters()
+        names = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+        assert {"wantest_hub", "wantest_0", "wantest_1"} <= names
+    payload = int(PAYLOAD_MB * 1e6)
+    for received, seconds in results:
+        assert int(received) == payload
+        # tbf lets a 4 kB burst through at once; the rest goes at the rate
+        assert float(seconds) >= (payload - 4000) * 8 / (RATE_MBIT * 1e6)
+    for start, end in zip(before, after, strict=True):
+        assert end["tx_bytes"] - start["tx_bytes"] >= payload
+        assert end["rx_bytes"] - start["rx_bytes"] >= payload
+    names = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not names & {"wantest_hub", "wantest_0", "wantest_1"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and `ip`")
+def test_hub_is_removed_when_the_block_fails():
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), hub_network(2, 10.0, 10.0, prefix="wantest", subnet="10.79.0"):
+        raise KeyboardInterrupt
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "wantest" not in names
+    assert time.monotonic() - started < 10
