@@ -33,15 +33,13 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from collab.errors import AccessError
+
 logger = logging.getLogger(__name__)
 
 REFRESH_FRACTION = 0.5  # of a token's lifetime, after which the peer asks for the next one
 FIRST_RETRY_DELAY, MAX_RETRY_DELAY = 1.0, 60.0  # seconds between failed refreshes, doubling
 JOIN_PROOF = b"collab-train join v1\n"
-
-
-class AccessError(RuntimeError):
-    """The web app refused to issue a token: the message says which setting to check."""
 
 
 def _signed_bytes(token: AccessToken) -> bytes:

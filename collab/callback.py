@@ -12,7 +12,8 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from collab.checkpoint import OPTIMIZER_STATE, CheckpointError, load_model, load_optimizer_state, opened_checkpoint
+from collab.checkpoint import OPTIMIZER_STATE, load_model, load_optimizer_state, opened_checkpoint
+from collab.errors import CheckpointError
 from collab.schema import LocalMetrics, metrics_key
 
 logger = logging.getLogger(__name__)

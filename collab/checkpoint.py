@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from collab.errors import CheckpointError
 from collab.faults import pause_checkpoint_write
 from collab.storage import atomic_directory
 
@@ -52,10 +53,6 @@ MAX_ARCHIVE_BYTES = 256 << 30
 
 NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-class CheckpointError(ValueError):
-    """A folder that is not a valid checkpoint; the message (one line) says which folder and file, and why."""
 
 
 @dataclass(frozen=True)

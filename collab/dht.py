@@ -16,12 +16,9 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from arguments import PeerArguments
 from collab.access import WebAppAuthorizer
+from collab.errors import DHTStartError
 
 logger = logging.getLogger(__name__)
-
-
-class DHTStartError(RuntimeError):
-    """The DHT could not start: the message says which setting to check."""
 
 
 def join_command_line(maddrs: Sequence[str]) -> str:

@@ -10,15 +10,8 @@ from collections.abc import Callable, Sequence
 from hivemind.utils.logging import use_hivemind_log_handler
 
 from arguments import PeerArguments, parse_args_or_exit, split_config_flags
-from collab.access import AccessError
-from collab.checkpoint import CheckpointError
-from collab.dht import DHTStartError
+from collab.errors import UserError
 from collab.signals import install_stop_handlers
-
-
-class SetupError(RuntimeError):
-    """A missing or unusable input: the message names the flag and says what to do."""
-
 
 # C0 controls but tab, DEL, C1 controls and the Unicode line separators: each can end a log line, rewrite one already
 # printed (\r, ANSI escapes start with ESC) or split a line in a log viewer.
@@ -80,7 +73,7 @@ def run_program(
     install_stop_handlers(stop)
     try:
         run(*arguments, stop=stop)
-    except (SetupError, DHTStartError, CheckpointError, AccessError) as e:
+    except UserError as e:
         print(f"{prog}: error: {escape_control_characters(str(e))}", file=sys.stderr)
         return 2
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from collab.entry import SetupError
+from collab.errors import MissingExtraError
 
 PACKAGE = "collab-train"
 # The modules each extra of pyproject.toml installs: a lean ``pip install .`` has none of them.
@@ -13,10 +13,6 @@ EXTRA_MODULES = {
     "wandb": ("wandb",),
     "hub": ("huggingface_hub",),
 }
-
-
-class MissingExtraError(SetupError):
-    """An option needs an extra that is not installed; the message says which and how to install it."""
 
 
 def missing_extra_message(extra: str, needed_by: str) -> str:

@@ -17,7 +17,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
-from collab.entry import SetupError
+from collab.errors import SetupError
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from arguments import DatasetArguments
-from collab.entry import SetupError
+from collab.errors import SetupError
 from trainer.data import CAUSAL_LM, MASKED_LM
 from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CAUSAL_LM", "MASKED_LM", "SetupError", "build_model", "language_modeling_task", "load_tokenizer"]
+__all__ = ["CAUSAL_LM", "MASKED_LM", "build_model", "language_modeling_task", "load_tokenizer"]
 
 
 def language_modeling_task(model_type: str) -> str:

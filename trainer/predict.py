@@ -24,16 +24,13 @@ import torch
 from datasets import Dataset
 
 from arguments import DatasetArguments
-from collab.checkpoint import MANIFEST, CheckpointError, folder_files, is_archive, load_model, opened_checkpoint
+from collab.checkpoint import MANIFEST, folder_files, is_archive, load_model, opened_checkpoint
+from collab.errors import CheckpointError, InputError
 from trainer.data import one_pass
 from trainer.qa import predict_answers
 from trainer.tasks import TASKS
 
 PROG = "python -m trainer.predict"
-
-
-class InputError(ValueError):
-    """Bad input: the message starts with the flag to fix."""
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -15,7 +15,7 @@ import numpy as np
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from collab.entry import SetupError
+from collab.errors import SetupError
 
 QA_COLUMNS = ("id", "question", "context", "answers")
 MAX_ANSWER_LENGTH = 30  # tokens

@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from arguments import DatasetArguments
-from collab.entry import SetupError
+from collab.errors import SetupError
 from trainer.data import CAUSAL_LM, MASKED_LM, load_rows, make_collator, require_tokenized
 from trainer.evaluate import classification_metrics, language_model_metrics, qa_metrics
 from trainer.qa import qa_windows

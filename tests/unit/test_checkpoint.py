@@ -15,7 +15,6 @@ from transformers import AutoModelForMaskedLM
 
 from collab.checkpoint import (
     MANIFEST,
-    CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_optimizer_state,
@@ -24,6 +23,7 @@ from collab.checkpoint import (
     remove_partial_saves,
     write_checkpoint,
 )
+from collab.errors import CheckpointError
 from trainer.model import tiny_bert_config
 
 ROOT = Path(__file__).resolve().parents[2]

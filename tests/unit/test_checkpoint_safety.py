@@ -21,7 +21,6 @@ from arguments import AveragerArguments, OptimizerArguments, PeerArguments, Prog
 from collab.callback import CollaborativeCallback, read_resume_point
 from collab.checkpoint import (
     MANIFEST,
-    CheckpointError,
     extract_archive,
     load_model,
     load_optimizer_state,
@@ -30,6 +29,7 @@ from collab.checkpoint import (
     sha256_file,
     write_checkpoint,
 )
+from collab.errors import CheckpointError
 from collab.optim import build_optimizer, lamb_factory, parameter_groups, scheduler_factory
 from trainer.model import tiny_bert_config
 from trainer.predict import main as predict_main

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from arguments import MonitorArguments
-from collab.entry import SetupError
-from collab.extras import EXTRA_MODULES, MissingExtraError, require_extra
+from collab.errors import MissingExtraError, SetupError
+from collab.extras import EXTRA_MODULES, require_extra
 from monitor.sinks import build_sinks
 
 ROOT = Path(__file__).resolve().parents[2]

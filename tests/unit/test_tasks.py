@@ -10,7 +10,7 @@ import pytest
 from datasets import Dataset
 
 from arguments import DatasetArguments
-from collab.entry import SetupError
+from collab.errors import SetupError
 from data.tasks import answer_word, boolq_rows, squad_rows
 from trainer.model import build_model, load_tokenizer
 from trainer.predict import main as predict_main

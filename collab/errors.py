@@ -1,0 +1,36 @@
+"""Every error a person can fix: bad input or an unusable setup, told in one line that names the flag and what to do.
+
+A program's entry point (``collab.entry.run_program``) catches ``UserError``, prints its message on one line and
+exits 2; any other exception is a bug and keeps its traceback. Raise the kind that says where the input came from.
+A bad flag or config value is ``arguments.ConfigError``: the parser turns it into the same one line and exit 2.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input or setup: the message (one line) starts with the flag or file to fix and says what to do."""
+
+
+class SetupError(UserError, RuntimeError):
+    """A missing or unusable input (model, tokenizer, dataset): the message names the flag and says what to do."""
+
+
+class MissingExtraError(SetupError):
+    """An option needs an extra that is not installed; the message says which and how to install it."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A folder that is not a valid checkpoint; the message (one line) says which folder and file, and why."""
+
+
+class DHTStartError(UserError, RuntimeError):
+    """The DHT could not start: the message says which setting to check."""
+
+
+class AccessError(UserError, RuntimeError):
+    """The web app refused to issue a token: the message says which setting to check."""
+
+
+class InputError(UserError, ValueError):
+    """Bad input to a command-line tool (trainer.predict): the message starts with the flag to fix."""
