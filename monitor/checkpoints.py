@@ -88,7 +88,7 @@ class CheckpointSaver:
             epoch_tolerance = default_epoch_tolerance(MonitorArguments.alive_step_lag, load_timeout)
         self.epoch_tolerance = epoch_tolerance
         self._next_try = 0.0
-        self.evaluator = evaluator  # trainer.evaluate.CheckpointEvaluator, or None: never evaluate
+        self.evaluator = evaluator  # monitor.evaluate.CheckpointEvaluator, or None: never evaluate
         self.verified = VerifiedCheckpoints()  # each kept checkpoint is hashed once, not at every save
         remove_partial_saves(self.repo_path)
         found = latest_checkpoint(self.repo_path, self.verified.read_manifest)

@@ -115,7 +115,7 @@ def refresh(
 
 def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args):
     """The state averager (the trainers' own optimizer factory) and the saver around it, evaluating as asked."""
-    from trainer.evaluate import CheckpointEvaluator
+    from monitor.evaluate import CheckpointEvaluator
     from trainer.model import build_model, load_tokenizer
     from trainer.tasks import TASKS
 
