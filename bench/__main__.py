@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from bench import wan
 from bench.formulas import paper_scaling, summary_json
 from bench.procs import ROOT
 from bench.training import VARIANTS
@@ -39,7 +40,7 @@ QUICK = {
     "peer_counts": [2, 4],
 }
 BANDWIDTH_MBIT = 100.0
-PARTS = ["training", "link", "records", "scaling", "gpu"]
+PARTS = ["training", "link", "records", "scaling", "gpu", "wan"]
 
 
 def parse(argv) -> argparse.Namespace:
@@ -78,7 +79,9 @@ def main(argv=None) -> int:
     parts = args.only or default_parts()
     started = time.monotonic()
     figures: dict = {}
+    wan_plan = wan.QUICK if args.quick else wan.FULL
     ticks = {"training": 3 + len(plan["targets"]) + len(VARIANTS), "link": 2, "records": 2, "scaling": 1, "gpu": 3}
+    ticks["wan"] = wan.progress_ticks(wan_plan)
     with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:
 
         def progress(what: str) -> None:
@@ -124,6 +127,8 @@ def main(argv=None) -> int:
             from bench.gpu import gpu_efficiency
 
             figures["gpu"] = gpu_efficiency(plan["seconds"], log_dir, progress)
+        if "wan" in parts:
+            figures["wan"] = wan.measure(wan_plan, log_dir / "wan", progress)
     figures["wall_s"] = time.monotonic() - started
     summary = summarize(figures)
     header = run_header(figures["wall_s"], args)
@@ -164,7 +169,10 @@ def summarize(figures: dict) -> str:
             "plain_samples_per_second": sum(gpu["plain_per_loop"]) / 2,
             "efficiency": gpu["efficiency"],
         }
-    return summary_json(out)
+    # The wan part's keys follow the others (bench.wan.SUMMARY_KEYS), None where it was not measured.
+    line = json.loads(summary_json(out))
+    line |= wan.rounded(wan.summarize(figures.get("wan") or {"skipped": "not measured"}))
+    return json.dumps(line)
 
 
 def default_parts() -> list[str]:

@@ -240,6 +240,62 @@ def scaling_section(scaling: dict) -> str:
     return f"Measured on this machine (tiny model, loopback):\n\n{measured}\n\nOn paper:\n\n{paper}"
 
 
+def wan_section(wan: dict) -> str:
+    """Swarms on the emulated wide-area network: each mode against the same peers alone, and its traffic."""
+    if "skipped" in wan:
+        return f"Not measured: {wan['skipped']}."
+    scaled, shadow = wan["rate_scaled"], wan["shadow"]
+    setting = wan["setting"]
+    modes = [
+        ["alone (rate scaling)", scaled["rate_mbit"], scaled["alone"]],
+        ["synchronous (rate scaling)", scaled["rate_mbit"], scaled["sync"]],
+    ]
+    modes += [
+        [f"low-communication {name} (rate scaling)", scaled["rate_mbit"], run]
+        for name, run in scaled["lowcomm"].items()
+        if run
+    ]
+    modes += [
+        ["alone (shadow compute)", shadow["rate_mbit"], shadow["alone"]],
+        ["synchronous (shadow compute)", shadow["rate_mbit"], shadow["sync"]],
+    ]
+    rows = [
+        [
+            name,
+            _f(rate, 3),
+            run["samples_per_second"],
+            run.get("efficiency"),
+            run.get("bits_per_param_per_step"),
+            run["window_s"],
+        ]
+        for name, rate, run in modes
+    ]
+    missing = [name for name, run in scaled["lowcomm"].items() if not run]
+    loss = scaled.get("loss")
+    lines = [
+        f"Setting represented: {setting['name']}; a synchronous round lasts {_f(scaled['comm_to_compute'])}x an "
+        f"epoch's compute there. *Rate scaling*: {scaled['params']:,}-parameter default model, "
+        f"{_f(scaled['epoch_compute_s'])} s of compute per epoch on this machine (the alone run), so each link is "
+        f"shaped to {_f(scaled['rate_mbit'], 3)} Mbit/s each way. *Shadow compute*: GPT-2-shaped gradients "
+        f"({shadow['params']:,} parameters), {_f(shadow['micro_batch_s'], 3)} s per micro-batch of 16, links at "
+        f"{_f(shadow['rate_mbit'], 1)} Mbit/s. No added delay or loss (this kernel has no sch_netem).",
+        table(
+            ["mode (way of emulating)", "link (Mbit/s)", "samples/s", "efficiency", "bits/param/step", "window (s)"],
+            rows,
+        ),
+    ]
+    if missing:
+        lines.append(f"Not available in this run (no `--local_steps` in run_trainer.py): {', '.join(missing)}.")
+    if loss:
+        lines.append(
+            f"Held-out loss at equal samples ({loss['lowcomm']['samples']} and {loss['sync']['samples']} samples per "
+            f"peer, real compute, fast links): low-communication ({loss['variant']}) "
+            f"{', '.join(_f(x, 4) for x in loss['lowcomm']['losses'])}, synchronous "
+            f"{', '.join(_f(x, 4) for x in loss['sync']['losses'])}; ratio **{_f(loss['ratio'], 4)}**."
+        )
+    return "\n\n".join(lines)
+
+
 METHOD = """\
 Every figure is a ratio of two sides measured back to back in the same run on the same machine, so a busy machine
 slows both sides alike; none of them is a pass/fail test. Processes that stand for peers are real `run_trainer.py`
@@ -284,6 +340,16 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   mean of the plain pairs around it. target_batch_size is the power of two (at least 1024) that the plain pair needs
   about 9 s to reach, as an epoch of the CPU default lasts: a GPU would finish 1024 samples in a fraction of
   matchmaking_time.
+- **wan** (`python -m bench --only wan`, `bench/wan.py`): three peers, each in its own network namespace, joined
+  through a bridge in a hub namespace; each peer's upload is shaped with tbf on its end of its veth pair and its
+  download on the hub's end. Bytes are the kernel's counters of each peer's link (`ip -j -s link`), both directions,
+  over the measured window, per parameter and per step (a global epoch in synchronous mode, an inner step in
+  low-communication mode). Peers start on fast links (the newcomers' state download is not measured), then the links
+  are shaped, one epoch passes and the window opens. The same peers, each training alone in its own experiment on the
+  same network, are the denominator of each efficiency. *Rate scaling* runs real `run_trainer.py` peers on links
+  slowed so that a synchronous round's time over an epoch's compute equals that of the setting named above the
+  table; *shadow compute* (`bench/shadow.py`) runs the real optimizer path on GPT-2-shaped gradients with a
+  calibrated wait for forward and backward (utilisation and traffic only, never loss).
 """
 
 
@@ -333,4 +399,6 @@ def render(header: dict, figures: dict, summary: str) -> str:
     if "scaling" in figures:
         parts += ["## 6. Scaling", scaling_section(figures["scaling"])]
     parts += ["## 7. GPU", gpu_section(figures.get("gpu"))]
+    if "wan" in figures:
+        parts += ["## 8. Emulated wide-area network", wan_section(figures["wan"])]
     return "\n\n".join(parts) + "\n"

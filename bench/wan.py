@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -158,6 +159,11 @@ QUICK = Plan(
     shadow_seconds=30.0,
 )
 LOSS_VARIANT = lowcomm_flags(50, "8bit")
+
+
+def progress_ticks(plan: Plan) -> int:
+    """How many times ``measure`` reports progress: alone, synchronous, each variant, the loss runs, shadow x 2."""
+    return 5 + len(plan.lowcomm_variants)
 
 
 def lowcomm_available() -> bool:
@@ -410,7 +416,7 @@ def summarize(wan: dict) -> dict:
 def rounded(value):
     """Figures to 4 decimals for the summary line."""
     if isinstance(value, float):
-        return round(value, 4)
+        return round(value, 4) if math.isfinite(value) else None
     if isinstance(value, dict):
         return {key: rounded(item) for key, item in value.items()}
     return value

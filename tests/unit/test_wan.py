@@ -15,11 +15,13 @@ from bench.procs import Child, children, hub_network, link_bytes
 from bench.shadow import gpt2_shapes, shadow_numel
 from bench.wan import (
     SETTING,
+    SUMMARY_KEYS,
     Setting,
     bits_per_param_per_step,
     comm_to_compute,
     compute_s,
     scaled_rate_mbit,
+    summarize,
     window_figures,
 )
 
@@ -124,3 +126,51 @@ def test_hub_is_removed_when_the_block_fails():
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "wantest" not in names
     assert time.monotonic() - started < 10
+
+
+def _run(samples_per_second: float, **extra) -> dict:
+    return {"samples_per_second": samples_per_second, "window_s": 60.0, **extra}
+
+
+def wan_figures(lowcomm: dict) -> dict:
+    return {
+        "setting": dataclasses.asdict(SETTING),
+        "rate_scaled": {
+            "params": 1_450_000,
+            "epoch_compute_s": 4.0,
+            "comm_to_compute": 12.2,
+            "rate_mbit": 0.634,
+            "alone": _run(100.0),
+            "sync": _run(20.0, efficiency=0.2, bits_per_param_per_step=40.0),
+            "lowcomm": lowcomm,
+            "loss": None,
+        },
+        "shadow": {
+            "params": 124_439_808,
+            "micro_batch_s": 0.2,
+            "rate_mbit": 100.0,
+            "alone": _run(80.0),
+            "sync": _run(8.0, efficiency=0.1, bits_per_param_per_step=33.0),
+        },
+    }
+
+
+def test_summary_takes_the_best_low_communication_variant():
+    runs = {"H 50, 8bit": _run(90.0, efficiency=0.9, bits_per_param_per_step=0.3)}
+    runs["H 200, topk"] = _run(97.0, efficiency=0.97, bits_per_param_per_step=0.004)
+    summary = summarize(wan_figures(runs))
+    assert summary["wan_efficiency_sync"] == 0.2 and summary["wan_efficiency_lowcomm"] == 0.97
+    assert summary["bits_per_param_per_step"]["H 200, topk"] == 0.004
+    assert summary["lowcomm_loss_ratio"] is None
+    assert set(summary) == set(SUMMARY_KEYS)
+
+
+def test_report_marks_variants_not_available_and_names_each_way():
+    from bench.report import wan_section
+
+    text = wan_section(wan_figures({"H 50, 8bit": None}))
+    assert summarize(wan_figures({"H 50, 8bit": None}))["wan_efficiency_lowcomm"] is None
+    assert "Not available in this run" in text and "H 50, 8bit" in text
+    assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | 40.00 | 60.00 |" in text
+    assert "| synchronous (shadow compute) | 100.000 |" in text
+    assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
