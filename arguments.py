@@ -31,6 +31,11 @@ class ConfigError(ValueError):
         self.field = field
 
 
+# The kinds of training --task chooses, named once: trainer/tasks.py maps each to its model head, data and metrics.
+MASKED_LM, CAUSAL_LM, SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "mlm", "clm", "seq-cls", "qa"
+TaskName = Literal[MASKED_LM, CAUSAL_LM, SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING]
+
+
 def _fail(flag: str, problem: str) -> None:
     raise ConfigError(f"--{flag}: {problem}", field=flag)
 
@@ -324,8 +329,8 @@ class CollaborationArguments:
 class DatasetArguments:
     """What to train: the task, the model and the data."""
 
-    task: Literal["mlm", "clm", "seq-cls", "qa"] = field(
-        default="mlm",
+    task: TaskName = field(
+        default=MASKED_LM,
         metadata={
             "help": "What the collaboration trains: mlm (masked LM, BERT-like), clm (causal LM, GPT-2-like), "
             "seq-cls (classification: BoolQ's question/passage/label or text/label) or qa (extractive QA: "
@@ -374,7 +379,7 @@ class DatasetArguments:
 
     def __post_init__(self) -> None:
         _require_positive(self, "num_labels", "max_seq_length", "doc_stride")
-        if self.task == "seq-cls" and self.num_labels < 2:
+        if self.task == SEQUENCE_CLASSIFICATION and self.num_labels < 2:
             _fail("num_labels", f"a classifier needs at least 2 classes (got {self.num_labels})")
         if self.doc_stride >= self.max_seq_length // 2:
             half = self.max_seq_length // 2

@@ -17,11 +17,11 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
+from arguments import MASKED_LM
 from collab.errors import SetupError
 
 logger = logging.getLogger(__name__)
 
-MASKED_LM, CAUSAL_LM = "mlm", "clm"
 MODEL_INPUTS = (
     "input_ids",
     "attention_mask",

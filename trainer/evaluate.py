@@ -14,6 +14,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from arguments import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION
 from trainer.data import make_collator, one_pass
 from trainer.metrics import accuracy, squad_scores
 from trainer.qa import predict_answers
@@ -72,7 +73,7 @@ def _outputs(model: PreTrainedModel, dataset: Dataset, collator, task: str):
 
 def classification_metrics(model, dataset: Dataset, tokenizer, collator) -> dict[str, float]:
     """Loss and accuracy of the arg-max class."""
-    loss, outputs = _outputs(model, dataset, collator, "seq-cls")
+    loss, outputs = _outputs(model, dataset, collator, SEQUENCE_CLASSIFICATION)
     predictions = [p for _, out in outputs for p in out.logits.argmax(-1).tolist()]
     labels = [y for batch, _ in outputs for y in batch["labels"].tolist()]
     return {"eval_loss": loss, "eval_accuracy": accuracy(predictions, labels)}
@@ -80,7 +81,7 @@ def classification_metrics(model, dataset: Dataset, tokenizer, collator) -> dict
 
 def qa_metrics(model, features: Dataset, tokenizer, collator) -> dict[str, float]:
     """Loss, exact match and F1 of the best span over each example's windows."""
-    loss, outputs = _outputs(model, features, collator, "qa")
+    loss, outputs = _outputs(model, features, collator, QUESTION_ANSWERING)
     starts, ends = [], []
     for _, out in outputs:
         starts += list(out.start_logits.float().cpu().numpy().astype(np.float32))

@@ -15,9 +15,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from arguments import DatasetArguments
+from arguments import CAUSAL_LM, MASKED_LM, DatasetArguments
 from collab.errors import SetupError
-from trainer.data import CAUSAL_LM, MASKED_LM
 from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from arguments import DatasetArguments
+from arguments import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, DatasetArguments
 from collab.checkpoint import MANIFEST, folder_files, is_archive, load_model, opened_checkpoint
 from collab.errors import CheckpointError, InputError
 from trainer.data import one_pass
@@ -45,7 +45,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         required=True,
         help="Saved model and tokenizer: a monitor checkpoint or --output_dir folder, or checkpoint-<step>.tar.gz",
     )
-    parser.add_argument("--task", required=True, choices=["seq-cls", "qa"], help="What the model was trained for")
+    parser.add_argument(
+        "--task",
+        required=True,
+        choices=[SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING],
+        help="What the model was trained for",
+    )
     parser.add_argument("--question", help="qa: the question; seq-cls: the first text of a pair (BoolQ)")
     parser.add_argument("--context", help="qa: the text that holds the answer")
     parser.add_argument("--passage", help="seq-cls: the second text of a pair (BoolQ)")
@@ -55,7 +60,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not is_archive(args.checkpoint) and not (Path(args.checkpoint) / "config.json").is_file():
         raise InputError(f"--checkpoint: no saved model (config.json) in {args.checkpoint}")
-    if args.task == "qa":
+    if args.task == QUESTION_ANSWERING:
         for flag in ("question", "context"):
             if not (getattr(args, flag) or "").strip():
                 raise InputError(f"--{flag}: required (non-empty) for --task qa")
@@ -83,12 +88,12 @@ def answer(model, tokenizer, question: str, context: str, max_seq_length: int, d
     rows = Dataset.from_list(
         [{"id": "0", "question": question, "context": context, "answers": {"text": [], "answer_start": []}}]
     )
-    settings = DatasetArguments(task="qa", max_seq_length=max_seq_length, doc_stride=doc_stride)
-    task = TASKS["qa"]
+    settings = DatasetArguments(task=QUESTION_ANSWERING, max_seq_length=max_seq_length, doc_stride=doc_stride)
+    task = TASKS[QUESTION_ANSWERING]
     features = task.prepare(rows, tokenizer, settings)
     starts, ends = [], []
     with torch.no_grad():
-        for batch in one_pass(features, task.collator(tokenizer), 8, "qa"):
+        for batch in one_pass(features, task.collator(tokenizer), 8, QUESTION_ANSWERING):
             output = model(**{k: v for k, v in batch.items() if k not in ("start_positions", "end_positions")})
             starts += list(output.start_logits.numpy())
             ends += list(output.end_logits.numpy())
@@ -119,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"{PROG}: error: --checkpoint: {e}", file=sys.stderr)
         return 2
-    if args.task == "qa":
+    if args.task == QUESTION_ANSWERING:
         print(answer(model, tokenizer, args.question, args.context, args.max_seq_length, args.doc_stride))
     else:
         label, probability = classify(model, tokenizer, [args.text] if args.text else [args.question, args.passage])

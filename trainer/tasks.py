@@ -28,13 +28,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from arguments import DatasetArguments
+from arguments import CAUSAL_LM, MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, DatasetArguments
 from collab.errors import SetupError
-from trainer.data import CAUSAL_LM, MASKED_LM, load_rows, make_collator, require_tokenized
+from trainer.data import load_rows, make_collator, require_tokenized
 from trainer.evaluate import classification_metrics, language_model_metrics, qa_metrics
 from trainer.qa import qa_windows
-
-SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "seq-cls", "qa"
 
 
 @dataclass(frozen=True)

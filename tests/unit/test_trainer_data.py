@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 
-from arguments import DatasetArguments
+from arguments import CAUSAL_LM, MASKED_LM, DatasetArguments
 from collab.errors import SetupError
 from trainer.data import batch_stream, load_train_split, make_collator, peer_data_seed
-from trainer.model import CAUSAL_LM, MASKED_LM, language_modeling_task, load_tokenizer
+from trainer.model import language_modeling_task, load_tokenizer
 
 
 def test_each_peer_has_its_own_reproducible_order():
