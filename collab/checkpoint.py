@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from collab.errors import CheckpointError
-from collab.faults import pause_checkpoint_write
 from collab.storage import atomic_directory
 
 logger = logging.getLogger(__name__)
@@ -290,15 +289,19 @@ def write_checkpoint(
     ``optimizer_state`` must hold only tensors and plain data (what ``torch.load(weights_only=True)`` reads back)."""
     target = Path(repo_path) / str(step)
     with atomic_directory(target) as staging:
-        model.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        torch.save(optimizer_state, staging / OPTIMIZER_STATE)
-        pause_checkpoint_write(target)
+        stage_checkpoint_files(staging, model, tokenizer, optimizer_state)
         files = {name: sha256_file(staging / name) for name in sorted(folder_files(staging))}
         manifest = Manifest(step=step, loss=loss, peers=peers, time=time.time(), files=files)
         (staging / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2))
     return target
+
+
+def stage_checkpoint_files(staging: Path, model, tokenizer, optimizer_state: dict[str, Any]) -> None:
+    """Every file of a checkpoint but its manifest, written into the ``staging`` folder."""
+    model.save_pretrained(staging)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    torch.save(optimizer_state, staging / OPTIMIZER_STATE)
 
 
 def load_optimizer_state(folder: str | os.PathLike) -> dict[str, Any]:

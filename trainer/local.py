@@ -120,12 +120,18 @@ class LocalProcess:
 
 
 def PeerProcess(  # noqa: N802
-    argv: Sequence[str], log_path: Path, env: dict | None = None, prefix: Sequence[str] = ()
+    argv: Sequence[str],
+    log_path: Path,
+    env: dict | None = None,
+    prefix: Sequence[str] = (),
+    script: str = "run_trainer.py",
 ) -> LocalProcess:
-    """A ``run_trainer.py`` process."""
-    return LocalProcess(argv, log_path, env, script="run_trainer.py", prefix=prefix)
+    """A ``run_trainer.py`` process, or ``script``: a wrapper such as tests/faulty_peer.py that runs it."""
+    return LocalProcess(argv, log_path, env, script=script, prefix=prefix)
 
 
-def MonitorProcess(argv: Sequence[str], log_path: Path, env: dict | None = None) -> LocalProcess:  # noqa: N802
-    """A ``run_training_monitor.py`` process."""
-    return LocalProcess(argv, log_path, env, script="run_training_monitor.py")
+def MonitorProcess(  # noqa: N802
+    argv: Sequence[str], log_path: Path, env: dict | None = None, script: str = "run_training_monitor.py"
+) -> LocalProcess:
+    """A ``run_training_monitor.py`` process, or ``script``: a wrapper such as tests/faulty_monitor.py that runs it."""
+    return LocalProcess(argv, log_path, env, script=script)

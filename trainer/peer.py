@@ -18,7 +18,6 @@ from arguments import (
 )
 from collab.callback import CollaborativeCallback, read_resume_point
 from collab.dht import start_dht
-from collab.faults import install_training_faults
 from collab.optim import build_optimizer, finish_delayed_updates
 from collab.schema import make_validators
 from collab.storage import atomic_directory
@@ -84,7 +83,6 @@ def run_peer(
             collaboration_args.statistics_expiration,
             collaboration_args.backup_every_steps,
         )
-        install_training_faults(model, optimizer, callback)
         callback.on_train_begin(resume)
         batches = batch_stream(
             dataset,

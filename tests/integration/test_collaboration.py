@@ -69,8 +69,8 @@ FAST = [
 C_EXPIRATION = 8  # seconds C's metrics stay alive after it is killed
 FORGED_STEP = 10**6
 TOKEN = "upload-token"
-FAULTY = {"COLLAB_TEST_FAULTS": "nan_loss@3,nan_parameters@6"}
-MONITOR_CRASH = {"COLLAB_TEST_FAULTS": "pause_checkpoint_write@2=120"}
+FAULTY = ["--faults", "nan_loss@3,nan_parameters@6"]  # tests/faulty_peer.py's flag: A's faults
+MONITOR_CRASH = ["--faults", "pause_checkpoint_write@2=120"]  # tests/faulty_monitor.py's flag
 
 
 @dataclass
@@ -162,22 +162,16 @@ def collaboration(tmp_path_factory, sample_data):
             "--web_token",
             TOKEN,
         ]
-        monitors = [MonitorProcess(monitor_argv, out / "M.log", env=MONITOR_CRASH)]
+        monitors = [MonitorProcess([*MONITOR_CRASH, *monitor_argv], out / "M.log", script="tests/faulty_monitor.py")]
         peers: dict[str, LocalProcess] = {}
         reader = intruder = liar = None
         try:
             join = monitors[0].join_flags(timeout=120)
             common = ["--experiment_prefix", prefix, *FAST, *join, "--statistics_expiration", "120"]
             peers["A"] = PeerProcess(
-                [
-                    *common,
-                    "--backup_every_steps",
-                    "2",
-                    "--output_dir",
-                    str(out / "A"),
-                ],
+                [*FAULTY, *common, "--backup_every_steps", "2", "--output_dir", str(out / "A")],
                 out / "A.log",
-                env=FAULTY,
+                script="tests/faulty_peer.py",
             )
             peers["B"] = PeerProcess(
                 [*common, "--max_steps", str(MAX_STEPS), "--output_dir", str(out / "B")], out / "B.log"

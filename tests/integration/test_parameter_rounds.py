@@ -14,7 +14,7 @@ import time
 import pytest
 
 from arguments import OptimizerArguments
-from collab.faults import DRIFT
+from tests.faults import DRIFT
 from tests.integration.agreement import assert_parameters_agree, saved_parameters
 from trainer.local import PeerProcess, wait_until
 
@@ -34,9 +34,9 @@ SETTINGS = [
 def test_a_drifted_peer_agrees_again_after_the_next_parameter_round(tmp_path, sample_data):
     common = ["--experiment_prefix", f"drift{int(time.time())}", *SETTINGS]
     a = PeerProcess(
-        [*common, "--output_dir", str(tmp_path / "A")],
+        ["--faults", f"drift_parameters@{DRIFT_EPOCH}", *common, "--output_dir", str(tmp_path / "A")],
         tmp_path / "A.log",
-        env={"COLLAB_TEST_FAULTS": f"drift_parameters@{DRIFT_EPOCH}"},
+        script="tests/faulty_peer.py",
     )
     peers = [a]
     try:

@@ -1,8 +1,15 @@
-"""collab.faults: the test-only fault spec and its one-shot triggers."""
+"""tests/faults.py: the test-only fault spec, its one-shot triggers and the checkpoint-write pause."""
+
+import logging
 
 import pytest
+import torch
+from transformers import AutoModelForMaskedLM
 
-from collab.faults import parse_faults
+import collab.checkpoint
+from collab.checkpoint import read_manifest, write_checkpoint
+from tests.faults import parse_faults, pause_checkpoint_writes, split_faults_flag
+from trainer.model import tiny_bert_config
 
 
 def test_spec_is_parsed_and_each_fault_fires_once():
@@ -23,5 +30,27 @@ def test_empty_spec_is_inactive():
     "spec", ["nan_loss@x", "explode@3", "pause_checkpoint_write@2=soon", "pause_checkpoint_write=5", "nan_loss"]
 )
 def test_malformed_spec_names_the_item(spec):
-    with pytest.raises(ValueError, match="COLLAB_TEST_FAULTS: cannot read"):
+    with pytest.raises(ValueError, match="--faults: cannot read"):
         parse_faults(spec)
+
+
+def test_the_wrapper_flag_comes_first():
+    faults, rest = split_faults_flag(["--faults", "nan_loss@3", "--experiment_prefix", "x"])
+    assert (faults.at_epoch, rest) == ({"nan_loss": 3}, ["--experiment_prefix", "x"])
+    with pytest.raises(ValueError, match="--faults: give it first"):
+        split_faults_flag(["--experiment_prefix", "x"])
+
+
+def test_only_the_configured_write_pauses_between_its_files_and_its_manifest(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(collab.checkpoint, "stage_checkpoint_files", collab.checkpoint.stage_checkpoint_files)
+    pause_checkpoint_writes(parse_faults("pause_checkpoint_write@2=0"))
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
+    with caplog.at_level(logging.WARNING, logger="tests.faults"):
+        for step in (1, 2, 3):
+            write_checkpoint(tmp_path, step, model, None, {"optimizer": None})
+    paused = [
+        record.getMessage() for record in caplog.records if "pausing the checkpoint write" in record.getMessage()
+    ]
+    assert len(paused) == 1 and ".tmp-2-" in paused[0], paused
+    assert [read_manifest(tmp_path / str(step)).step for step in (1, 2, 3)] == [1, 2, 3]

@@ -1,6 +1,7 @@
-"""Test-only fault injection, driven by the ``COLLAB_TEST_FAULTS`` environment variable; off and free otherwise.
+"""Test faults, installed by the wrapper entry points tests/faulty_peer.py and tests/faulty_monitor.py only.
 
-``COLLAB_TEST_FAULTS="nan_loss@3,nan_parameters@5,drift_parameters@4,pause_checkpoint_write@2=60"``
+``python tests/faulty_peer.py --faults nan_loss@3,nan_parameters@5,drift_parameters@4 [run_trainer.py flags]``
+``python tests/faulty_monitor.py --faults pause_checkpoint_write@2=60 [run_training_monitor.py flags]``
 
 - ``nan_loss@E``: the first forward pass in global epoch E returns a NaN loss (so NaN gradients): the loop must
   drop that mini-batch before it reaches an averaging round.
@@ -12,21 +13,22 @@
 - ``pause_checkpoint_write@N=S``: the N-th checkpoint write of the process stops S seconds after the weights,
   before the manifest, so a test can kill the monitor in the middle of a save.
 
-Each ``@E`` fault fires once. The tests of docs/RELIABILITY.md use them; nothing else should.
+Each ``@E`` fault fires once. The production code knows nothing of them: the wrappers patch names in their own
+process (``trainer.peer.train``, ``collab.checkpoint.stage_checkpoint_files``), then call the real ``main(argv)``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-ENVIRONMENT_VARIABLE = "COLLAB_TEST_FAULTS"
+FLAG = "--faults"
 EPOCH_FAULTS = ("nan_loss", "nan_parameters", "drift_parameters")  # the faults written NAME@EPOCH
 DRIFT = 0.1  # added by drift_parameters; the peers' LayerNorm weights start at 1.0
 
@@ -62,28 +64,51 @@ def parse_faults(spec: str) -> Faults:
             else:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"{ENVIRONMENT_VARIABLE}: cannot read {item!r}") from None
+            raise ValueError(f"{FLAG}: cannot read {item!r}") from None
     return faults
 
 
-FAULTS = parse_faults(os.environ.get(ENVIRONMENT_VARIABLE, ""))
+def split_faults_flag(argv: Sequence[str]) -> tuple[Faults, list[str]]:
+    """``["--faults", SPEC, *rest]`` -> (parsed SPEC, rest): the wrapper's own flag comes first."""
+    if len(argv) < 2 or argv[0] != FLAG:
+        raise ValueError(f"{FLAG}: give it first, e.g. {FLAG} nan_loss@3, then the program's own flags")
+    return parse_faults(argv[1]), list(argv[2:])
 
 
-def pause_checkpoint_write(folder) -> None:
-    """Called between a checkpoint's weights and its manifest; sleeps only in the configured write."""
-    FAULTS.writes += 1
-    if FAULTS.writes == FAULTS.pause_write_number:
-        logger.warning("Test fault: pausing the checkpoint write of %s for %.0f s", folder, FAULTS.pause_seconds)
-        time.sleep(FAULTS.pause_seconds)
+def pause_checkpoint_writes(faults: Faults) -> None:
+    """The configured checkpoint write of this process pauses between its files and its manifest."""
+    import collab.checkpoint
+
+    stage_files = collab.checkpoint.stage_checkpoint_files
+
+    def stage_files_then_pause(staging, *args, **kwargs):
+        stage_files(staging, *args, **kwargs)
+        faults.writes += 1
+        if faults.writes == faults.pause_write_number:
+            logger.warning("Test fault: pausing the checkpoint write of %s for %.0f s", staging, faults.pause_seconds)
+            time.sleep(faults.pause_seconds)
+
+    collab.checkpoint.stage_checkpoint_files = stage_files_then_pause
 
 
-def install_training_faults(model: torch.nn.Module, optimizer, callback) -> None:
-    """Hook the configured training faults into the model and the callback (nothing when none is configured)."""
-    if not FAULTS.at_epoch:
-        return
+def inject_training_faults(faults: Faults) -> None:
+    """Every training run of this process (``trainer.peer.train``) gets the configured faults first."""
+    import trainer.peer
+
+    train = trainer.peer.train
+
+    def train_with_faults(model, optimizer, callback, *args, **kwargs):
+        install_training_faults(faults, model, optimizer, callback)
+        return train(model, optimizer, callback, *args, **kwargs)
+
+    trainer.peer.train = train_with_faults
+
+
+def install_training_faults(faults: Faults, model: torch.nn.Module, optimizer, callback) -> None:
+    """Hook the configured training faults into the model and the callback."""
 
     def poison_loss(module, inputs, output):
-        if FAULTS.fire("nan_loss", optimizer.local_epoch):
+        if faults.fire("nan_loss", optimizer.local_epoch):
             output.loss = output.loss * float("nan")
         return output
 
@@ -91,10 +116,10 @@ def install_training_faults(model: torch.nn.Module, optimizer, callback) -> None
     on_step_end = callback.on_step_end
 
     def poison_parameters_then_step_end(*args, **kwargs):
-        if FAULTS.fire("nan_parameters", optimizer.local_epoch):
+        if faults.fire("nan_parameters", optimizer.local_epoch):
             with torch.no_grad():
                 next(model.parameters()).fill_(float("nan"))
-        if FAULTS.fire("drift_parameters", optimizer.local_epoch):
+        if faults.fire("drift_parameters", optimizer.local_epoch):
             logger.warning("Test fault: %s drifted by %g", drift_parameters(model, optimizer), DRIFT)
         return on_step_end(*args, **kwargs)
 
