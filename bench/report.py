@@ -240,6 +240,10 @@ def scaling_section(scaling: dict) -> str:
     return f"Measured on this machine (tiny model, loopback):\n\n{measured}\n\nOn paper:\n\n{paper}"
 
 
+def _rounds_per_peer(run: dict) -> str:
+    return " / ".join(_f(rounds) for rounds in run.get("averaging_rounds", []))
+
+
 def wan_section(wan: dict) -> str:
     """Swarms on the emulated wide-area network: each mode against the same peers alone, and its traffic."""
     if "skipped" in wan:
@@ -267,6 +271,7 @@ def wan_section(wan: dict) -> str:
             run.get("efficiency"),
             run.get("bits_per_param_per_step"),
             run["window_s"],
+            _rounds_per_peer(run),
         ]
         for name, rate, run in modes
     ]
@@ -280,7 +285,15 @@ def wan_section(wan: dict) -> str:
         f"({shadow['params']:,} parameters), {_f(shadow['micro_batch_s'], 3)} s per micro-batch of 16, links at "
         f"{_f(shadow['rate_mbit'], 1)} Mbit/s. No added delay or loss (this kernel has no sch_netem).",
         table(
-            ["mode (way of emulating)", "link (Mbit/s)", "samples/s", "efficiency", "bits/param/step", "window (s)"],
+            [
+                "mode (way of emulating)",
+                "link (Mbit/s)",
+                "samples/s",
+                "efficiency",
+                "bits/param/step",
+                "window (s)",
+                "gradient rounds averaged, per peer",
+            ],
             rows,
         ),
     ]

@@ -166,11 +166,20 @@ def progress_ticks(plan: Plan) -> int:
     return 5 + len(plan.lowcomm_variants)
 
 
-def lowcomm_available() -> bool:
-    """Whether ``run_trainer.py`` has the low-communication mode (``--local_steps``)."""
+def trainer_has_flag(name: str) -> bool:
+    """Whether ``run_trainer.py`` takes ``--name`` (the low-communication mode's ``--local_steps``, say)."""
     from arguments import TRAINER_ARGUMENTS
 
-    return any(field.name == "local_steps" for group in TRAINER_ARGUMENTS for field in dataclasses.fields(group))
+    return any(field.name == name for group in TRAINER_ARGUMENTS for field in dataclasses.fields(group))
+
+
+def gradient_rounds(events_path: Path) -> int | None:
+    """Gradient rounds a peer completed, from its events file (``averaged`` events); None where it wrote none."""
+    if not events_path.exists():
+        return None
+    from collab.events import read_events
+
+    return sum(1 for record in read_events(events_path, "averaged") if record.get("kind") == "gradients")
 
 
 def slow_link_flags(rate_mbit: float) -> list[str]:
@@ -210,9 +219,11 @@ def run_swarm(
     """
     stamp = int(time.time())
     steps = [log_dir / f"{name}_{rank}.steps.jsonl" for rank in range(len(network.peers))]
+    events = [log_dir / f"{name}_{rank}.events.jsonl" for rank in range(len(network.peers))]
     outputs = [log_dir / f"{name}_{rank}_model" for rank in range(len(network.peers))]
-    for path in steps:
+    for path in steps + events:
         path.unlink(missing_ok=True)
+    with_events = trainer_has_flag("events_path")
     network.set_rates(FAST_LINK_MBIT, FAST_LINK_MBIT)
 
     def records():
@@ -225,7 +236,13 @@ def run_swarm(
             argv = [steps[rank], "--experiment_prefix", prefix, "--host_maddrs", f"/ip4/{peer.address}/tcp/0", *flags]
             child = Child(
                 module,
-                [*argv, *join, "--output_dir", outputs[rank]],
+                [
+                    *argv,
+                    *join,
+                    "--output_dir",
+                    outputs[rank],
+                    *(["--events_path", events[rank]] if with_events else []),
+                ],
                 log_dir / f"{name}_{rank}.log",
                 timeout,
                 env=ONE_THREAD,
@@ -269,6 +286,8 @@ def run_swarm(
         "epochs": window.epochs,
         "link_bytes": traffic,
         "samples": [sum(s[1] for s in peer) for peer in records()],
+        # a round given up lets a peer go on with its own gradients: a swarm that averages rarely looks fast
+        "averaging_rounds": [gradient_rounds(path) for path in events],
         "models": outputs,
     }
 
@@ -300,7 +319,7 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
         sync = run_swarm(network, "sync", slow, log_dir, plan.seconds, rate_mbit=rate)
         progress("wan: synchronous")
         lowcomm: dict = {}
-        available = lowcomm_available()
+        available = trainer_has_flag("local_steps")
         for variant, flags in plan.lowcomm_variants.items():
             if available:
                 run = run_swarm(
