@@ -30,20 +30,34 @@ hivemind averagers and the monitor's ``TrainingStateAverager`` can still downloa
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
 import math
-from collections.abc import Sequence
+import multiprocessing as mp
+import random
+from collections.abc import Mapping, Sequence
+from itertools import chain
+from typing import Any
 
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state, load_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.streaming import combine_from_streaming
+from torch.optim.lr_scheduler import LambdaLR
 
+from arguments import MonitorArguments
 from collab.callback import all_finite
+from monitor.aggregate import honest_step
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +182,238 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager):
     round_kind = "gradient"
 
 
+# A downloaded state may claim at most this many global epochs past the swarm's honest epoch, plus one per second of
+# the download's timeout (epochs that may pass while it downloads), as the monitor allows for a saved state.
+EPOCH_LEAD_LIMIT = MonitorArguments.alive_step_lag
+MAX_DONORS_PER_LOAD = 8  # donors tried per load_state_from_peers; each refused or failed one is skipped next time
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key of hivemind's ``ProgressTracker`` records (``{run_id}_progress``, one signed subkey per peer)."""
+    return f"{run_id}_progress"
+
+
+def honest_progress_epoch(records: Mapping[Any, Any], now: float, step_lag: int = EPOCH_LEAD_LIMIT) -> int | None:
+    """The swarm's global epoch by the honest majority of its peers' live progress records (``honest_step``), or
+    None when there is no valid one. Malformed and expired records are ignored.
+
+    Each record is ``ValueWithExpiration(value, expiration_time)`` of a ``LocalTrainingProgress`` dict.
+    """
+    epochs = []
+    for entry in records.values():
+        if not isinstance(entry, ValueWithExpiration) or not entry.expiration_time > now:
+            continue
+        try:
+            epochs.append(LocalTrainingProgress.parse_obj(entry.value).epoch)
+        except Exception:
+            continue
+    return honest_step(epochs, step_lag) if epochs else None
+
+
+def state_refusal(
+    metadata: Any,
+    tensors: Sequence[torch.Tensor],
+    expected_shapes: Sequence[torch.Size],
+    expected_optimizer_metadata: Sequence[dict],
+    min_epoch: int,
+    max_epoch: int | None,
+) -> str | None:
+    """Why a downloaded state must not be applied, or None if it may.
+
+    The state must have this peer's structure (the same tensors with the same shapes, the same optimizer entries),
+    an integer epoch in ``[min_epoch, max_epoch]`` and only finite tensors and numbers: a donor can claim any epoch
+    and send anything, and the state is applied as it is.
+    """
+    if not isinstance(metadata, dict):
+        return "its metadata is not a dict"
+    epoch = metadata.get("epoch")
+    if type(epoch) is not int or epoch < min_epoch:
+        return f"its epoch {epoch!r} is not an integer at least this peer's epoch {min_epoch}"
+    if max_epoch is not None and epoch > max_epoch:
+        return f"its epoch {epoch} is past {max_epoch}, the swarm's epoch plus the lead allowed"
+    if len(tensors) != len(expected_shapes):
+        return f"it has {len(tensors)} tensors, not {len(expected_shapes)}"
+    for index, (tensor, shape) in enumerate(zip(tensors, expected_shapes, strict=True)):
+        if tensor.shape != shape:
+            return f"its tensor {index} has shape {tuple(tensor.shape)}, not {tuple(shape)}"
+    optimizer_metadata = metadata.get("optimizer_metadata")
+    if not isinstance(optimizer_metadata, list) or len(optimizer_metadata) != len(expected_optimizer_metadata):
+        return "its optimizer metadata does not match this peer's optimizer"
+    for received, expected in zip(optimizer_metadata, expected_optimizer_metadata, strict=True):
+        if not isinstance(received, dict) or received.get("type") != expected["type"]:
+            return "its optimizer metadata does not match this peer's optimizer"
+        if expected["type"] == "tensor" and received.get("index") != expected["index"]:
+            return "its optimizer metadata does not match this peer's optimizer"
+        if expected["type"] == "value" and not is_finite_value(received.get("value")):
+            return "its optimizer metadata holds a non-finite number"
+    if not all_finite(tensors):
+        return "it holds non-finite values"
+    return None
+
+
+def is_finite_value(value: Any) -> bool:
+    """Whether every number in ``value`` (nested lists, tuples and dicts) is finite; other leaves count as finite."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(is_finite_value(item) for item in value)
+    if isinstance(value, dict):
+        return all(is_finite_value(item) for item in value.values())
+    return True
+
+
+def bring_scheduler_to_epoch(scheduler, epoch: int) -> None:
+    """Where hivemind's ``_update_scheduler`` leaves ``scheduler`` (stepped until ``_step_count > epoch``), in one
+    step for a ``LambdaLR``: its rate is a function of the epoch alone, and one ``step()`` per epoch would take
+    months for a large epoch. Other schedulers are stepped as hivemind does."""
+    if scheduler is None or scheduler._step_count > epoch:
+        return
+    if isinstance(scheduler, LambdaLR):
+        scheduler.last_epoch, scheduler._step_count = epoch - 1, epoch
+    while scheduler._step_count <= epoch:
+        scheduler.step()
+
+
+def choose_donor(advertised: Mapping[Any, Any], max_epoch: float, excluded: set[PeerID]) -> PeerID | None:
+    """The peer to download the state from: the highest epoch advertised (``{peer ID bytes: ValueWithExpiration(
+    epoch)}``, hivemind's ``all_averagers`` record) that is at most ``max_epoch``, ties broken at random, not
+    ``excluded``; None if there is none."""
+    candidates = [
+        (float(info.value), random.random(), PeerID(peer_id))
+        for peer_id, info in advertised.items()
+        if isinstance(info, ValueWithExpiration) and type(info.value) in (int, float) and info.value <= max_epoch
+    ]
+    allowed = [candidate for candidate in candidates if candidate[2] not in excluded]
+    return max(allowed)[2] if allowed else None
+
+
 class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager):
-    """hivemind's ``TrainingStateAverager`` whose parameter rounds refuse non-finite values."""
+    """hivemind's ``TrainingStateAverager`` whose parameter rounds refuse non-finite values and whose state downloads
+    refuse a lying donor.
+
+    hivemind downloads from the peer that advertises the highest epoch and applies whatever it sends, then steps the
+    scheduler once per epoch of it: a donor claiming epoch 2^39 would be picked first and hang the newcomer for
+    months, one serving inf would poison it. Here a state is refused (``state_refusal``) when its epoch is more than
+    ``EPOCH_LEAD_LIMIT`` (plus one per second of the timeout) past the swarm's honest epoch, read from the peers'
+    signed progress records under ``run_id`` (``honest_progress_epoch``: the progress tracker's own view takes the
+    highest record, a liar's), or when it has a non-finite value or another structure; a donor advertising such an
+    epoch is not even asked. The next donor is then tried, up to ``MAX_DONORS_PER_LOAD``, and failing all of them the
+    peer keeps its own state. The scheduler is brought to the new epoch in one step (``bring_scheduler_to_epoch``).
+    Without ``run_id`` no epoch is too far ahead (the other checks still apply).
+    """
 
     round_kind = "parameter"
+
+    def __init__(self, *, run_id: str | None = None, **kwargs):
+        self.run_id = run_id
+        self._max_donor_epoch = mp.Value(ctypes.c_double, math.inf)  # read by the averager's process
+        super().__init__(**kwargs)
+
+    def swarm_epoch(self) -> int | None:
+        """The swarm's honest global epoch from the peers' progress records, or None if unknown."""
+        if self.run_id is None:
+            return None
+        found = self.dht.get(progress_key(self.run_id), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        return honest_progress_epoch(found.value, get_dht_time())
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
+        """hivemind's ``TrainingStateAverager.load_state_from_peers``, refusing a lying donor (see the class)."""
+        assert wait, "FiniteTrainingStateAverager.load_state_from_peers waits for the state"
+        swarm_epoch = self.swarm_epoch()
+        max_epoch = None if swarm_epoch is None else swarm_epoch + EPOCH_LEAD_LIMIT + math.ceil(timeout or 0)
+        parameters = tuple(
+            chain((p for group in self.optimizer.param_groups for p in group["params"]), self.extra_tensors)
+        )
+        optimizer_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
+        expected_shapes = [tensor.shape for tensor in chain(parameters, optimizer_tensors)]
+        skipped: list[PeerID] = []
+        for _ in range(MAX_DONORS_PER_LOAD):
+            self._max_donor_epoch.value = math.inf if max_epoch is None else max_epoch
+            future = MPFuture()
+            self._outer_pipe.send(
+                (
+                    "_load_state_from_peers",
+                    [],
+                    dict(timeout=timeout, future=future, skipped=tuple(peer.to_base58() for peer in skipped)),
+                )
+            )
+            downloaded = future.result(timeout=None if timeout is None else 2 * timeout)
+            if downloaded is None:
+                logger.info("No other peer could send its state; keeping this peer's own")
+                return None
+            donor, metadata, tensors = downloaded
+            skipped.append(donor)
+            if tensors is None:
+                continue
+            reason = state_refusal(metadata, tensors, expected_shapes, optimizer_metadata, self.local_epoch, max_epoch)
+            if reason is None:
+                return self._apply_state(metadata, tensors[: len(parameters)], tensors[len(parameters) :], parameters)
+            logger.warning("Refused the state of peer %s: %s; trying another peer", donor, reason)
+        logger.warning("No acceptable state from %d peers; keeping this peer's own", len(skipped))
+        return None
+
+    def _apply_state(self, metadata: dict, loaded_parameters, loaded_optimizer_tensors, parameters) -> None:
+        """The second half of hivemind's ``TrainingStateAverager.load_state_from_peers``: apply a checked state."""
+        with torch.no_grad(), self.lock_averaged_tensors:
+            load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], loaded_optimizer_tensors)
+            for local, loaded in zip(parameters, loaded_parameters, strict=True):
+                local.copy_(loaded, non_blocking=True)
+        if self.offload_optimizer:
+            self._apply_optimizer_parameters_()
+        if not self.reuse_tensors:
+            self._load_local_tensors_into_averager_()
+        self.local_epoch = metadata["epoch"]
+        self._update_scheduler()
+
+    def _update_scheduler(self):
+        bring_scheduler_to_epoch(self.scheduler, self.local_epoch)
+
+    async def _load_state_from_peers(
+        self, future: MPFuture, timeout: float | None = None, skipped: Sequence[str] = ()
+    ):
+        """Runs in the averager's process: download from the one donor advertising the highest epoch not past the
+        limit (ties broken at random), other than this peer and ``skipped``; result ``(donor, metadata, tensors)``,
+        ``(donor, None, None)`` if it failed, None if there is no donor. Each chunk waits at most
+        ``next_chunk_timeout`` (else ``request_timeout``) and the whole download at most ``timeout``, so a donor
+        that trickles its state cannot hold the newcomer."""
+        try:
+            key_manager = self._matchmaking.group_key_manager
+            found = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True)
+            advertised = found.value if found is not None and isinstance(found.value, dict) else {}
+            excluded = {self.peer_id, *map(PeerID.from_base58, skipped)}
+            donor = choose_donor(advertised, self._max_donor_epoch.value, excluded)
+            if donor is None:
+                future.set_result(None)
+                return
+            logger.info("Downloading the state from peer %s", donor)
+            try:
+                metadata, tensors = await asyncio.wait_for(self._download_state_from(donor), timeout=timeout)
+                future.set_result((donor, metadata, tensors))
+            except Exception as e:
+                logger.warning("Downloading the state from peer %s failed: %s", donor, repr(e))
+                future.set_result((donor, None, None))
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state_from(self, donor: PeerID) -> tuple[Any, list[torch.Tensor]]:
+        """The metadata and tensors ``donor`` streams (hivemind's loop of ``_load_state_from_peers``)."""
+        chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return metadata, tensors
 
 
 class FiniteAveragingOptimizer(hivemind.Optimizer):
@@ -192,6 +434,7 @@ class FiniteAveragingOptimizer(hivemind.Optimizer):
             next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
+            run_id=self.run_id,
             start=True,
             **kwargs,
         )

@@ -29,7 +29,7 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
-from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager
+from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager, FiniteTrainingStateAverager
 
 logger = logging.getLogger(__name__)
 
@@ -218,10 +218,12 @@ def build_state_averager(
     """The same optimizer as ``build_optimizer``'s, in a TrainingStateAverager that only downloads state.
 
     It shares the trainers' ``{experiment_prefix}_state_averager`` key, never joins averaging rounds and never
-    serves its (possibly stale) copy to newcomers.
+    serves its (possibly stale) copy to newcomers. Like a trainer's, it refuses a lying donor's state
+    (``FiniteTrainingStateAverager``).
     """
-    return TrainingStateAverager(
+    return FiniteTrainingStateAverager(
         dht=dht,
+        run_id=peer_args.experiment_prefix,
         prefix=f"{peer_args.experiment_prefix}_state_averager",
         optimizer=lamb_factory(training_args),
         params=parameter_groups(model, training_args.weight_decay),

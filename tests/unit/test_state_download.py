@@ -1,0 +1,160 @@
+"""A lying donor cannot hang or poison a newcomer's state download: pure checks, then real averagers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import time
+
+import hivemind
+import torch
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.utils import ValueWithExpiration, get_dht_time
+from torch.optim.lr_scheduler import LambdaLR
+
+from collab.averagers import (
+    FiniteTrainingStateAverager,
+    bring_scheduler_to_epoch,
+    choose_donor,
+    honest_progress_epoch,
+    progress_key,
+    state_refusal,
+)
+from trainer.local import wait_until
+
+LIAR_EPOCH = 2**39
+LOAD_BOUND = 30.0  # seconds: three donors on 127.0.0.1 take about two; a newcomer stepping 2^39 times never ends
+
+
+def progress(epoch: int) -> dict:
+    return LocalTrainingProgress(
+        peer_id=b"peer", epoch=epoch, samples_accumulated=0, samples_per_second=1.0, time=0.0, client_mode=False
+    ).dict()
+
+
+def test_the_swarm_epoch_is_the_honest_majority_s_not_a_liar_s():
+    live = get_dht_time() + 60
+    records = {key: ValueWithExpiration(progress(epoch), live) for key, epoch in ((b"a", 7), (b"b", 8), (b"c", 2**39))}
+    assert honest_progress_epoch(records, get_dht_time(), step_lag=2) == 8
+    records[b"d"] = ValueWithExpiration({"epoch": "many"}, live)  # malformed: ignored
+    records[b"e"] = ValueWithExpiration(progress(2**40), get_dht_time() - 1)  # expired: ignored
+    assert honest_progress_epoch(records, get_dht_time(), step_lag=2) == 8
+    assert honest_progress_epoch({}, get_dht_time()) is None
+
+
+def test_the_donor_is_the_highest_epoch_within_the_limit_and_not_excluded():
+    peers = [PeerID(bytes([index]) * 34) for index in range(4)]
+    live = get_dht_time() + 60
+    epochs = (7, 8, LIAR_EPOCH, float("nan"))
+    advertised = {peer.to_bytes(): ValueWithExpiration(epoch, live) for peer, epoch in zip(peers, epochs, strict=True)}
+    assert choose_donor(advertised, float("inf"), set()) == peers[2]
+    assert choose_donor(advertised, 20, set()) == peers[1]
+    assert choose_donor(advertised, 20, {peers[1]}) == peers[0]
+    assert choose_donor(advertised, 20, {peers[0], peers[1]}) is None
+
+
+def test_a_state_is_refused_for_its_epoch_its_values_or_its_structure():
+    params = [torch.zeros(3, 2), torch.zeros(2)]
+    adam = torch.optim.Adam(params)
+    adam.step()  # creates its state
+    optimizer_metadata, optimizer_tensors = dump_optimizer_state(adam)
+    tensors = [*params, *optimizer_tensors]
+    shapes = [tensor.shape for tensor in tensors]
+
+    def refusal(epoch=7, sent=tensors, metadata=optimizer_metadata, max_epoch=20):
+        state = {"epoch": epoch, "optimizer_metadata": metadata}
+        return state_refusal(state, sent, shapes, optimizer_metadata, min_epoch=0, max_epoch=max_epoch)
+
+    assert refusal() is None
+    assert refusal(max_epoch=None, epoch=LIAR_EPOCH) is None  # no swarm epoch known: no limit
+    assert "past 20" in refusal(epoch=LIAR_EPOCH)
+    assert "not an integer" in refusal(epoch=7.0) and "not an integer" in refusal(epoch=True)
+    assert "non-finite" in refusal(sent=[torch.full_like(tensors[0], float("inf")), *tensors[1:]])
+    assert "non-finite" in refusal(sent=[*tensors[:-1], torch.full_like(tensors[-1], float("nan"))])
+    assert "shape" in refusal(sent=[torch.zeros(6), *tensors[1:]])
+    assert "tensors" in refusal(sent=tensors[:-1])
+    poisoned = [dict(entry) for entry in optimizer_metadata]
+    lr_entry = next(index for index, entry in enumerate(poisoned) if entry.get("value") == 1e-3)
+    poisoned[lr_entry]["value"] = float("inf")
+    assert "non-finite number" in refusal(metadata=poisoned)
+    assert "does not match" in refusal(metadata=optimizer_metadata[:-1])
+
+
+def test_the_scheduler_reaches_a_huge_epoch_at_once_as_hivemind_s_loop_would():
+    def scheduler():
+        return LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0), lambda epoch: 1 / (1 + epoch))
+
+    stepped, jumped = scheduler(), scheduler()
+    while stepped._step_count <= 37:  # hivemind's _update_scheduler
+        stepped.step()
+    bring_scheduler_to_epoch(jumped, 37)
+    assert (jumped.last_epoch, jumped._step_count, jumped.get_last_lr()) == (37, 38, stepped.get_last_lr())
+    started = time.monotonic()
+    bring_scheduler_to_epoch(jumped, LIAR_EPOCH)
+    assert time.monotonic() - started < 1 and jumped.get_last_lr() == [1 / (1 + LIAR_EPOCH)]
+
+
+def make_averager(averager_class, dht: hivemind.DHT, fill: float, **kwargs) -> TrainingStateAverager:
+    """A state averager over a small model whose parameters all hold ``fill``, with a LambdaLR scheduler."""
+    model = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(fill)
+    return averager_class(
+        dht=dht,
+        prefix="download_test_state_averager",
+        optimizer=functools.partial(torch.optim.Adam, lr=1e-3),
+        params=model.parameters(),
+        scheduler=functools.partial(LambdaLR, lr_lambda=lambda epoch: 1 / (1 + epoch)),
+        start=True,
+        **kwargs,
+    )
+
+
+def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serving_inf():
+    """Two plain hivemind liars and an honest donor serve their state: one claims epoch 2^39, one holds inf in its
+    parameters, and both advertise a higher epoch than the honest one, so hivemind asks them first. The newcomer
+    ends with the honest state within ``LOAD_BOUND`` seconds (plain hivemind steps its scheduler 2^39 times)."""
+    dhts, averagers = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])], []
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        dhts += [
+            hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+            for _ in range(3)
+        ]
+        # (parameters, epoch served, epoch advertised): honest, liar far ahead, liar serving inf
+        donors = ((1.0, 7, 7), (2.0, LIAR_EPOCH, 9), (float("inf"), 8, 8))
+        for dht, (fill, epoch, advertised) in zip(dhts, donors, strict=False):
+            donor = make_averager(TrainingStateAverager, dht, fill)
+            donor.local_epoch, donor.state_sharing_priority = epoch, advertised
+            donor.allow_state_sharing = True
+            averagers.append(donor)
+            dht.store(
+                progress_key("download_test"), progress(epoch), get_dht_time() + 300, subkey=dht.peer_id.to_bytes()
+            )
+        newcomer = make_averager(
+            FiniteTrainingStateAverager, dhts[3], 0.0, run_id="download_test", allow_state_sharing=False
+        )
+        averagers.append(newcomer)
+        wait_until(
+            lambda: len((dhts[3].get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 3,
+            30,
+            "the three donors to declare their state",
+            poll=0.1,
+        )
+        started = time.monotonic()
+        executor.submit(newcomer.load_state_from_peers, timeout=10).result(timeout=LOAD_BOUND)
+        assert time.monotonic() - started < LOAD_BOUND
+        assert newcomer.local_epoch == 7 and newcomer.scheduler._step_count == 8
+        for param in newcomer.main_parameters:
+            assert torch.equal(param, torch.ones_like(param))
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+        for averager in averagers:
+            with contextlib.suppress(Exception):
+                averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
