@@ -139,6 +139,10 @@ class PeerArguments:
             _fail("authorization_url", f"must be an http(s):// URL (got {self.authorization_url!r})")
 
 
+MAX_LOCAL_STEPS = 100_000  # DiLoCo's largest tested interval is 500 inner steps; beyond this no round would happen
+MAX_OUTER_LEARNING_RATE = 10.0  # DiLoCo uses 0.7; far above 1 the outer step overshoots the pseudo-gradient
+
+
 @dataclass
 class OptimizerArguments:
     """The collaboration's global step: when it happens and how gradients and state travel."""
@@ -215,9 +219,53 @@ class OptimizerArguments:
         },
     )
 
+    local_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Low-communication mode (DiLoCo): each peer takes about this many inner Lamb steps of its own per "
+            "global epoch, which then ends when the swarm has processed local_steps x target_batch_size samples, "
+            "with an outer Nesterov step on the averaged pseudo-gradients (README, 'Which mode to choose'). 0: the "
+            "synchronous mode (gradients averaged every global epoch)"
+        },
+    )
+    outer_learning_rate: float = field(
+        default=0.7,
+        metadata={"help": "Low-communication mode: the outer SGD's learning rate on pseudo-gradients (DiLoCo's 0.7)"},
+    )
+    outer_momentum: float = field(
+        default=0.9,
+        metadata={"help": "Low-communication mode: the outer SGD's Nesterov momentum, in [0, 1) (DiLoCo's 0.9)"},
+    )
+    pseudo_grad_compression: Literal["fp16", "8bit", "topk"] = field(
+        default="fp16",
+        metadata={
+            "help": "Low-communication mode: how pseudo-gradients travel: fp16, 8bit (as --grad_compression), or "
+            "topk (the largest --topk_fraction of each tensor at 2 bits, the rest held back for later rounds)"
+        },
+    )
+    topk_fraction: float = field(
+        default=0.01,
+        metadata={"help": "With --pseudo_grad_compression topk: the fraction of each tensor's values sent per round"},
+    )
+
     def __post_init__(self) -> None:
         _require_positive(self, "target_batch_size", "matchmaking_time", "averaging_timeout", "load_state_timeout")
         _require_positive(self, "bandwidth", "average_state_every")
+        if not (isinstance(self.local_steps, int) and 0 <= self.local_steps <= MAX_LOCAL_STEPS):
+            _fail("local_steps", f"must be an integer from 0 to {MAX_LOCAL_STEPS} (got {self.local_steps!r})")
+        _require_positive(self, "outer_learning_rate", "topk_fraction")
+        if self.outer_learning_rate > MAX_OUTER_LEARNING_RATE:
+            _fail("outer_learning_rate", f"must be at most {MAX_OUTER_LEARNING_RATE} (got {self.outer_learning_rate})")
+        _require_non_negative(self, "outer_momentum")
+        if self.outer_momentum >= 1:
+            _fail("outer_momentum", f"must be below 1 (got {self.outer_momentum}); DiLoCo uses 0.9")
+        if self.topk_fraction > 1:
+            _fail("topk_fraction", f"must be at most 1 (got {self.topk_fraction}); 0.01 sends 1 % of the values")
+        if self.local_steps and not self.offload_optimizer:
+            _fail(
+                "offload_optimizer",
+                "the low-communication mode (--local_steps) keeps the anchor in host memory: turn it on",
+            )
         _require_non_negative(self, "batch_size_lead")
         if self.next_chunk_timeout is not None:
             _require_positive(self, "next_chunk_timeout")

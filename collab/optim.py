@@ -30,6 +30,8 @@ from arguments import (
     TrainingArguments,
 )
 from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager, FiniteTrainingStateAverager
+from collab.compression import make_codec
+from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +165,22 @@ def build_optimizer(
     }
     if tracker_private_key is not None:
         tracker_opts["private_key"] = tracker_private_key
-    return FiniteAveragingOptimizer(
+    if optimizer_args.local_steps > 0:
+        mode = lowcomm_mode(model, optimizer_args, training_args)
+    else:
+        mode = dict(
+            optimizer=lamb_factory(training_args),
+            params=parameter_groups(model, training_args.weight_decay),
+            scheduler=scheduler_factory(training_args),
+            grad_compression=gradient_compression(optimizer_args.grad_compression),
+            grad_averager_factory=FiniteGradientAverager,
+        )
+    optimizer_class = LowCommOptimizer if optimizer_args.local_steps > 0 else FiniteAveragingOptimizer
+    return optimizer_class(
         dht=dht,
         run_id=peer_args.experiment_prefix,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
         batch_size_per_step=local_batch_size(training_args),
-        optimizer=lamb_factory(training_args),
-        params=parameter_groups(model, training_args.weight_decay),
-        scheduler=scheduler_factory(training_args),
         matchmaking_time=optimizer_args.matchmaking_time,
         averaging_timeout=optimizer_args.averaging_timeout,
         next_chunk_timeout=optimizer_args.chunk_timeout(),
@@ -180,13 +190,26 @@ def build_optimizer(
         delay_grad_averaging=optimizer_args.delay_grad_averaging,
         average_state_every=optimizer_args.average_state_every,
         client_mode=peer_args.client_mode,
-        grad_compression=gradient_compression(optimizer_args.grad_compression),
-        grad_averager_factory=FiniteGradientAverager,
         state_averaging_compression=Float16Compression(),
         load_state_compression=Float16Compression(),
         averager_opts={"bandwidth": optimizer_args.bandwidth, "target_group_size": averager_args.target_group_size},
         tracker_opts=tracker_opts,
         verbose=True,
+        **mode,
+    )
+
+
+def lowcomm_mode(model: torch.nn.Module, optimizer_args: OptimizerArguments, training_args: TrainingArguments) -> dict:
+    """``LowCommOptimizer``'s own arguments: Lamb (and its schedule, by global epoch) as the inner optimizer over the
+    model's parameters, the outer step's settings and the pseudo-gradient codec."""
+    inner = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
+    return dict(
+        inner_optimizer=inner,
+        inner_scheduler=scheduler_factory(training_args)(inner),
+        codec=make_codec(optimizer_args.pseudo_grad_compression, topk_fraction=optimizer_args.topk_fraction),
+        local_steps=optimizer_args.local_steps,
+        outer_learning_rate=optimizer_args.outer_learning_rate,
+        outer_momentum=optimizer_args.outer_momentum,
     )
 
 
@@ -221,13 +244,19 @@ def build_state_averager(
     serves its (possibly stale) copy to newcomers. Like a trainer's, it refuses a lying donor's state
     (``FiniteTrainingStateAverager``).
     """
+    if optimizer_args.local_steps > 0:  # the low-communication mode's state: anchors, outer momentum, inner Lamb
+        inner = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
+        optimizer = outer_optimizer_factory(optimizer_args.outer_learning_rate, optimizer_args.outer_momentum, inner)
+        scheduler = None
+    else:
+        optimizer, scheduler = lamb_factory(training_args), scheduler_factory(training_args)
     return FiniteTrainingStateAverager(
         dht=dht,
         run_id=peer_args.experiment_prefix,
         prefix=f"{peer_args.experiment_prefix}_state_averager",
-        optimizer=lamb_factory(training_args),
+        optimizer=optimizer,
         params=parameter_groups(model, training_args.weight_decay),
-        scheduler=scheduler_factory(training_args),
+        scheduler=scheduler,
         offload_optimizer=optimizer_args.offload_optimizer,
         custom_gradients=optimizer_args.offload_optimizer,
         compression=Float16Compression(),

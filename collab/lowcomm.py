@@ -1,0 +1,258 @@
+"""The low-communication mode (``--local_steps H``): DiLoCo on hivemind's Optimizer, averagers and progress tracker.
+
+Each peer trains with its own Lamb (state and learning rate kept local) on the model's parameters. hivemind's
+offloaded optimizer holds the *anchor*: the parameters every peer agreed on at the last outer round. When the round
+ends, each peer contributes its pseudo-gradient (anchor minus its parameters now), weighted by the samples it
+processed, through hivemind's gradient all-reduce; the averaged pseudo-gradient drives an outer SGD step with
+Nesterov momentum on the anchor. A global epoch is one outer round, so the loop, metrics, monitor, checkpoints and
+dashboard see the same epochs, records and state layout as in the synchronous mode.
+
+Round trigger: a round ends when the swarm has processed ``H x target_batch_size`` samples since the last one
+(hivemind's own ProgressTracker rule). A slow peer then never holds the fast ones, a peer that leaves only stops
+adding samples, and each peer's pseudo-gradient counts by the samples behind it.
+
+Overlap: the all-reduce and the outer step run in the background (hivemind's delayed optimizer step) while the peer
+takes its next inner steps. The new anchor is applied as soon as it is ready, at the latest at the next round's end:
+the parameters move by (new anchor - parameters at the round's end), so the inner progress made meanwhile is kept,
+re-based on the new anchor (``rebase_``), and counts toward the next pseudo-gradient.
+
+Newcomers download the anchor, the outer momentum and the serving peer's Lamb state (all in the outer optimizer's
+``state_dict``, which is also what the monitor's checkpoints hold) and start at that round.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from collab.averagers import (
+    FiniteAveragingOptimizer,
+    FiniteGradientAverager,
+    FiniteTrainingStateAverager,
+    bring_scheduler_to_epoch,
+)
+from collab.compression import PseudoGradientCodec, WireAveragerMixin
+
+logger = logging.getLogger(__name__)
+
+
+def round_target_samples(local_steps: int, target_batch_size: int) -> int:
+    """Samples the swarm processes per outer round: ``local_steps`` synchronous global batches' worth."""
+    return local_steps * target_batch_size
+
+
+@torch.no_grad()
+def pseudo_gradient_(out: torch.Tensor, anchor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """``out = anchor - current``: the outer optimizer's gradient, pointing away from the local progress."""
+    return out.copy_(anchor.to(out.device)).sub_(current.to(out.device))
+
+
+@torch.no_grad()
+def rebase_(current: torch.Tensor, new_anchor: torch.Tensor, reference: torch.Tensor) -> None:
+    """Move ``current`` by ``new_anchor - reference`` and make ``new_anchor`` the reference.
+
+    ``reference`` is what ``current`` was at the round's end, so the inner steps taken since stay on top of the new
+    anchor; applying the same anchor again changes nothing."""
+    current.add_((new_anchor - reference).to(current.device, current.dtype))
+    reference.copy_(new_anchor)
+
+
+class OuterNesterov(torch.optim.SGD):
+    """The outer optimizer (SGD with Nesterov momentum, as DiLoCo) over the anchors; its ``state_dict`` also carries
+    the inner optimizer's, so newcomers, the monitor and checkpoints get the whole training state in one structure.
+
+    Momentum buffers exist from the start (zeros give the same first step as torch's lazy copy): hivemind would
+    otherwise run a step on zero gradients to create them, and a newcomer's state must have the server's layout."""
+
+    def __init__(self, params, lr: float, momentum: float, inner: torch.optim.Optimizer):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=momentum > 0, weight_decay=0.0)  # 0: plain SGD
+        self.inner = inner
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["inner"] = self.inner.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        if "inner" not in state_dict:
+            raise ValueError("low-communication optimizer state without the inner optimizer's ('inner')")
+        self.inner.load_state_dict(state_dict.pop("inner"))
+        super().load_state_dict(state_dict)
+
+
+def outer_optimizer_factory(lr: float, momentum: float, inner: torch.optim.Optimizer) -> Callable:
+    """``param_groups -> OuterNesterov`` for hivemind, which builds it over its offloaded copies (the anchors).
+
+    Only the groups' parameters are kept: the inner groups' weight decay must not shrink pseudo-gradients."""
+
+    def make_outer(param_groups):
+        return OuterNesterov([{"params": group["params"]} for group in param_groups], lr, momentum, inner)
+
+    return make_outer
+
+
+class LowCommStateAverager(FiniteTrainingStateAverager):
+    """hivemind's TrainingStateAverager over the anchors, whose offloaded step re-bases the parameters
+    (``rebase_``) instead of overwriting them, and whose epoch drives the inner learning-rate schedule."""
+
+    def __init__(self, *, inner_scheduler=None, **kwargs):
+        self.inner_scheduler = inner_scheduler
+        self._replace_parameters = False
+        super().__init__(**kwargs)
+        self.round_reference = [anchor.detach().clone() for anchor in self._anchors()]
+        self._update_scheduler()
+
+    def _anchors(self) -> list[torch.Tensor]:
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
+
+    @torch.no_grad()
+    def capture_pseudo_gradient_(self, outputs: Sequence[torch.Tensor]) -> None:
+        """At a round's end: this peer's pseudo-gradients into ``outputs``; its parameters become the reference."""
+        for out, anchor, current, reference in zip(
+            outputs, self._anchors(), self.main_parameters, self.round_reference, strict=True
+        ):
+            pseudo_gradient_(out, anchor, current)
+            reference.copy_(current)
+
+    @torch.no_grad()
+    def _apply_optimizer_parameters_(self):
+        if self._replace_parameters:
+            super()._apply_optimizer_parameters_()
+            for reference, anchor in zip(self.round_reference, self._anchors(), strict=True):
+                reference.copy_(anchor)
+            return
+        for current, anchor, reference in zip(
+            self.main_parameters, self._anchors(), self.round_reference, strict=True
+        ):
+            rebase_(current, anchor, reference)
+
+    def load_state_from_peers(self, **kwargs):
+        """The swarm's state replaces this peer's parameters outright: its local progress was made elsewhere."""
+        self._replace_parameters = True
+        try:
+            return super().load_state_from_peers(**kwargs)
+        finally:
+            self._replace_parameters = False
+
+    def _update_scheduler(self):
+        """Round ``e``'s inner steps take the schedule's rate at ``e + 1``, the epoch the round ends in: a warmup
+        starting at 0 would otherwise waste the whole first round."""
+        super()._update_scheduler()
+        bring_scheduler_to_epoch(self.inner_scheduler, self.local_epoch + 1)
+
+
+class PseudoGradientAverager(WireAveragerMixin, FiniteGradientAverager):
+    """hivemind's GradientAverager averaging pseudo-gradients instead of accumulated gradients.
+
+    Its accumulators hold this peer's encoded contribution of the current round (``codec.encode_``, error feedback
+    inside the codec), captured once at the round's end; a round that fails falls back to it, as hivemind falls back
+    to local gradients. Samples are counted, gradients are not (the inner optimizer consumes them)."""
+
+    round_kind = "pseudo-gradient"
+
+    def __init__(self, *args, state_averager: LowCommStateAverager, codec: PseudoGradientCodec, **kwargs):
+        self.state_averager, self.codec = state_averager, codec
+        self.capture_on_next_load = False
+        super().__init__(*args, **kwargs)
+
+    def accumulate_grads_(self, batch_size: int):
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        contributions = self._local_accumulators
+        if self.capture_on_next_load:
+            self.capture_on_next_load = False
+            self.state_averager.capture_pseudo_gradient_(contributions)
+            for index, contribution in enumerate(contributions):
+                self.codec.encode_(index, contribution)
+        with self.get_tensors() as averaged:
+            for contribution, averaged_grad in zip(contributions, averaged, strict=True):
+                averaged_grad.copy_(contribution, non_blocking=True)
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self):
+        """Resets the counts only: the contribution stays for a fallback until the next round's capture."""
+        self._accumulators_used_in_step = False
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self._anchor_batch_size = None
+
+
+class LowCommOptimizer(FiniteAveragingOptimizer):
+    """hivemind.Optimizer in the low-communication mode: ``inner_optimizer`` steps at every ``step()``, the outer
+    Nesterov step runs once per round of ``local_steps x target_batch_size`` swarm samples (module docstring).
+
+    Raise ``local_steps`` when rounds take longer than ``local_steps`` inner steps (the link cannot keep up); lower
+    ``outer_learning_rate`` if the loss jumps after each round."""
+
+    def __init__(
+        self,
+        *,
+        inner_optimizer: torch.optim.Optimizer,
+        inner_scheduler,
+        codec: PseudoGradientCodec,
+        local_steps: int,
+        target_batch_size: int,
+        outer_learning_rate: float,
+        outer_momentum: float,
+        **kwargs,
+    ):
+        self.inner_optimizer, self.codec, self._inner_scheduler = inner_optimizer, codec, inner_scheduler
+        super().__init__(
+            optimizer=outer_optimizer_factory(outer_learning_rate, outer_momentum, inner_optimizer),
+            params=[{"params": group["params"]} for group in inner_optimizer.param_groups],
+            scheduler=None,
+            target_batch_size=round_target_samples(local_steps, target_batch_size),
+            grad_compression=codec.wire,
+            grad_averager_factory=FiniteGradientAverager,  # replaced in _make_gradient_averager
+            **kwargs,
+        )
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        """hivemind's ``Optimizer._make_state_averager``, with ``LowCommStateAverager``."""
+        return LowCommStateAverager(
+            inner_scheduler=self._inner_scheduler,
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            run_id=self.run_id,
+            start=True,
+            **kwargs,
+        )
+
+    def _make_gradient_averager(self, factory, **kwargs):
+        factory = partial(PseudoGradientAverager, state_averager=self.state_averager, codec=self.codec)
+        return super()._make_gradient_averager(factory, **kwargs)
+
+    def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
+        """One inner step on this peer's gradients, then hivemind's bookkeeping: count the samples, apply a finished
+        outer step, end the round when the swarm has processed its samples."""
+        if closure is not None:
+            raise ValueError("LowCommOptimizer.step takes no closure: compute the gradients before calling it")
+        self.inner_optimizer.step()
+        return super().step(batch_size=batch_size, grad_scaler=grad_scaler)
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        self.grad_averager.capture_on_next_load = True  # after the previous outer step is applied, before averaging
+        super()._update_global_epoch(grad_scaler)
+
+    def load_state_from_peers(self, **kwargs):
+        super().load_state_from_peers(**kwargs)
+        self.codec.reset()  # values held back belong to a trajectory this peer has left

@@ -1,0 +1,159 @@
+"""The low-communication mode's pure parts and one real peer alone in its swarm (collab/lowcomm.py)."""
+
+import hivemind
+import pytest
+import torch
+from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
+from transformers import AutoModelForMaskedLM
+
+from arguments import (
+    AveragerArguments,
+    ConfigError,
+    OptimizerArguments,
+    PeerArguments,
+    ProgressTrackerArguments,
+    TrainingArguments,
+)
+from collab.lowcomm import (
+    LowCommOptimizer,
+    OuterNesterov,
+    outer_optimizer_factory,
+    pseudo_gradient_,
+    rebase_,
+    round_target_samples,
+)
+from collab.optim import build_optimizer, lamb_factory, parameter_groups
+from trainer.model import tiny_bert_config
+
+
+def test_outer_nesterov_step_matches_the_hand_computed_value():
+    # buf = 0.9 buf + g; p -= 0.7 (g + 0.9 buf): from p = 1 with g = 0.5 twice, p = 0.335, then -0.6135
+    param = torch.nn.Parameter(torch.tensor([1.0]))
+    outer = OuterNesterov([{"params": [param]}], lr=0.7, momentum=0.9, inner=torch.optim.SGD([torch.zeros(1)], lr=1))
+    param.grad = torch.tensor([0.5])
+    outer.step()
+    assert param.item() == pytest.approx(0.335)
+    outer.step()
+    assert param.item() == pytest.approx(-0.6135)
+
+
+def test_outer_optimizer_ignores_the_inner_groups_weight_decay():
+    model = torch.nn.Linear(3, 3)
+    groups = parameter_groups(model, weight_decay=0.5)
+    inner = lamb_factory(TrainingArguments())(groups)
+    outer = outer_optimizer_factory(0.7, 0.0, inner)([dict(group) for group in groups])
+    before = [p.detach().clone() for p in model.parameters()]
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    outer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_pseudo_gradient_points_from_the_local_progress_back_to_the_anchor():
+    out = torch.empty(2)
+    pseudo_gradient_(out, anchor=torch.tensor([1.0, 2.0]), current=torch.tensor([0.5, 2.5]))
+    assert out.tolist() == [0.5, -0.5]
+
+
+def test_rebase_keeps_the_inner_progress_made_since_the_rounds_end():
+    reference = torch.tensor([0.5, 2.5])  # the parameters when the round ended
+    current = torch.tensor([0.25, 3.0])  # inner steps since moved them by (-0.25, +0.5)
+    rebase_(current, new_anchor=torch.tensor([10.0, 20.0]), reference=reference)
+    assert current.tolist() == [9.75, 20.5]
+    assert reference.tolist() == [10.0, 20.0]
+    rebase_(current, new_anchor=torch.tensor([10.0, 20.0]), reference=reference)  # applying it twice is a no-op
+    assert current.tolist() == [9.75, 20.5]
+
+
+def test_a_round_is_local_steps_global_batches_of_swarm_samples():
+    assert round_target_samples(local_steps=10, target_batch_size=384) == 3840
+
+
+def test_state_dict_carries_outer_momentum_and_inner_lamb_to_a_newcomer():
+    """What load_state_from_peers and the monitor's checkpoint rely on: one structure with both optimizers."""
+    torch.manual_seed(0)
+    args = TrainingArguments()
+    outers = []
+    for _ in range(2):
+        model = torch.nn.Linear(4, 4)
+        inner = lamb_factory(args)(parameter_groups(model, args.weight_decay))
+        anchors = [{"params": [p.detach().clone() for p in group["params"]]} for group in inner.param_groups]
+        outers.append(outer_optimizer_factory(0.7, 0.9, inner)(anchors))
+    veteran, newcomer = outers
+    for group in veteran.inner.param_groups + veteran.param_groups:
+        for param in group["params"]:
+            param.grad = torch.randn_like(param)
+    veteran.inner.step()
+    veteran.step()
+    load_optimizer_state(newcomer, *dump_optimizer_state(veteran))
+    for mine, theirs in zip(newcomer.state.values(), veteran.state.values(), strict=True):
+        assert torch.equal(mine["momentum_buffer"], theirs["momentum_buffer"])
+    for mine, theirs in zip(newcomer.inner.state.values(), veteran.inner.state.values(), strict=True):
+        assert mine["step"] == theirs["step"] == 1
+        assert torch.equal(mine["exp_avg"], theirs["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    ("settings", "flag"),
+    [
+        ({"local_steps": -1}, "local_steps"),
+        ({"local_steps": 10**9}, "local_steps"),
+        ({"outer_learning_rate": 0.0}, "outer_learning_rate"),
+        ({"outer_learning_rate": float("inf")}, "outer_learning_rate"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"topk_fraction": 1.5}, "topk_fraction"),
+        (
+            {
+                "local_steps": 4,
+                "offload_optimizer": False,
+                "delay_optimizer_step": False,
+                "delay_grad_averaging": False,
+            },
+            "offload_optimizer",
+        ),
+    ],
+)
+def test_bad_low_communication_settings_name_their_flag(settings, flag):
+    with pytest.raises(ConfigError) as error:
+        OptimizerArguments(**settings)
+    assert error.value.field == flag and str(error.value).startswith(f"--{flag}:")
+
+
+def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
+    """Alone, a round's pseudo-gradient is this peer's own: once the background outer step is applied, anchor and
+    parameters are the start moved by 0.7 x (1 + 0.9) x the pseudo-gradient (Nesterov's first step)."""
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    start = [p.detach().clone() for group in parameter_groups(model, 0.01) for p in group["params"]]
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = build_optimizer(
+            model,
+            dht,
+            PeerArguments(experiment_prefix="lowcomm_alone"),
+            OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0),
+            AveragerArguments(),
+            ProgressTrackerArguments(),
+            TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+        )
+        try:
+            assert isinstance(optimizer, LowCommOptimizer) and optimizer.target_batch_size == 24
+            batch = {"input_ids": torch.randint(0, 100, (4, 8)), "labels": torch.randint(0, 100, (4, 8))}
+            while optimizer.local_epoch == 0:
+                model(**batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            main = [p for group in optimizer.param_groups for p in group["params"]]
+            at_round_end = [p.detach().clone() for p in main]  # the outer step runs in the background
+            optimizer.state_averager.step(wait_for_delayed_updates=True)
+            anchors = [p for group in optimizer.opt.param_groups for p in group["params"]]
+            for first, end, anchor, now in zip(start, at_round_end, anchors, main, strict=True):
+                expected = first - 0.7 * 1.9 * (first - end)
+                assert torch.allclose(anchor, expected, atol=1e-6)
+                assert torch.allclose(now, expected, atol=1e-6)
+            assert sum((a - s).abs().sum().item() for a, s in zip(anchors, start, strict=True)) > 0
+            assert optimizer.local_epoch == 1
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
