@@ -125,6 +125,13 @@ class PeerArguments:
             "the monitor token for the monitor (also --report_url and http(s) uploads); unset: --config_token"
         },
     )
+    events_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "File this process appends its events to, one JSON object per line (joined, epoch, averaged, "
+            "...; docs/EVENTS.md), for scripts and tools; unset: no events file"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.experiment_prefix or not all(c.isalnum() or c in "_-." for c in self.experiment_prefix):

@@ -56,6 +56,8 @@ from hivemind.utils.streaming import combine_from_streaming
 from torch.optim.lr_scheduler import LambdaLR
 
 from arguments import MonitorArguments
+from collab import events
+from collab.averaging_events import OptimizerEventsMixin, TrafficCountingMixin
 from collab.callback import all_finite
 from monitor.aggregate import honest_step
 
@@ -99,7 +101,7 @@ class FiniteTensorPartReducer(TensorPartReducer):
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
 
-class FiniteAllReduceRunner(AllReduceRunner):
+class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
     """hivemind's all-reduce with a ``FiniteTensorPartReducer`` and non-finite averaged values kept local; one
     WARNING per round that dropped anything, naming ``round_kind``."""
 
@@ -132,6 +134,7 @@ class FiniteAllReduceRunner(AllReduceRunner):
                 ", ".join(refused) or "none",
                 kept_local,
             )
+            events.emit("refused", kind=f"{self.round_kind}s", groupmates=len(refused), kept_local=kept_local)
 
 
 def hivemind_class(cls: type) -> type:
@@ -416,7 +419,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager):
         return metadata, tensors
 
 
-class FiniteAveragingOptimizer(hivemind.Optimizer):
+class FiniteAveragingOptimizer(OptimizerEventsMixin, hivemind.Optimizer):
     """``hivemind.Optimizer`` whose parameter rounds run in a ``FiniteTrainingStateAverager``; pass
     ``grad_averager_factory=FiniteGradientAverager`` for its gradient rounds."""
 

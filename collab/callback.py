@@ -12,6 +12,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from collab import events
 from collab.checkpoint import OPTIMIZER_STATE, load_model, load_optimizer_state, opened_checkpoint
 from collab.errors import CheckpointError
 from collab.schema import LocalMetrics, metrics_key
@@ -102,6 +103,7 @@ class CollaborativeCallback:
         self.last_epoch = self.optimizer.local_epoch
         self.backup = self._take_backup()
         logger.info("Starting at global epoch %d", self.last_epoch)
+        events.emit("started", epoch=self.last_epoch)
 
     def on_step_end(self, loss: float, samples: int) -> EpochReport | None:
         """Record one optimizer.step of ``samples`` samples; returns a report when a new global epoch began."""
@@ -146,6 +148,15 @@ class CollaborativeCallback:
             published=published,
         )
         self.loss_sum, self.mini_steps, self.samples = 0.0, 0, 0
+        events.emit(
+            "epoch",
+            epoch=epoch,
+            samples=report.samples,
+            loss=report.loss,
+            mini_steps=report.mini_steps,
+            samples_per_second=report.samples_per_second,
+            published=published,
+        )
         return report
 
     def parameters_are_finite(self) -> bool:
@@ -163,6 +174,7 @@ class CollaborativeCallback:
         """Put back the last in-memory backup of the model and the optimizer."""
         self.rollbacks += 1
         logger.warning("Parameters became NaN or infinite: restoring the backup (rollback #%d)", self.rollbacks)
+        events.emit("rollback", epoch=self.optimizer.local_epoch, rollbacks=self.rollbacks)
         self._load_training_state(self.backup["model"], copy.deepcopy(self.backup["optimizer"]))
 
     def resume_from(self, resume: ResumePoint) -> None:
@@ -177,6 +189,7 @@ class CollaborativeCallback:
         self.optimizer.state_averager.local_epoch = resume.step
         self.optimizer.state_averager._update_scheduler()
         logger.info("Resumed from checkpoint %s (global epoch %d)", resume.path, resume.step)
+        events.emit("resumed", epoch=resume.step, path=str(resume.path))
 
     @torch.no_grad()
     def _load_training_state(self, model_state: dict, optimizer_state: dict) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from arguments import MonitorArguments
+from collab import events
 from collab.checkpoint import (
     VerifiedCheckpoints,
     latest_checkpoint,
@@ -90,13 +91,19 @@ class CheckpointSaver:
         self._next_try = 0.0
         self.evaluator = evaluator  # monitor.evaluate.CheckpointEvaluator, or None: never evaluate
         self.verified = VerifiedCheckpoints()  # each kept checkpoint is hashed once, not at every save
-        remove_partial_saves(self.repo_path)
+        partial = remove_partial_saves(self.repo_path)
         found = latest_checkpoint(self.repo_path, self.verified.read_manifest)
         self.last_saved_step: int | None = found[1].step if found else None
         if found:
             logger.info(
                 "Latest valid checkpoint: %s (global step %d); saving goes on from there", found[0], found[1].step
             )
+        events.emit(
+            "checkpoints_found",
+            step=self.last_saved_step,
+            folder=str(found[0]) if found else None,
+            partial_saves_removed=len(partial),
+        )
 
     def maybe_save(self, step: int, loss: float | None, peers: int) -> Path | None:
         """Save a checkpoint if one is due at the swarm's honest global ``step``; returns its folder, or None."""
@@ -123,6 +130,7 @@ class CheckpointSaver:
         self.last_saved_step = epoch
         removed = prune_checkpoints(self.repo_path, self.keep, self.verified.read_manifest)
         logger.info("Saved checkpoint %s%s", folder, f" (removed {len(removed)} older)" if removed else "")
+        events.emit("checkpoint_saved", step=epoch, folder=str(folder), removed=len(removed))
         return folder
 
     def _forget_checkpoints_past(self, limit: int) -> None:

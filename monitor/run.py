@@ -24,6 +24,7 @@ from arguments import (
     TrainingArguments,
     to_config,
 )
+from collab import events
 from collab.dht import start_dht
 from collab.extras import require_extra
 from collab.optim import build_state_averager
@@ -109,7 +110,9 @@ def refresh(
         state.pending_evaluation.update(saver.evaluate())
     if is_new_step(metrics.step, state.last_step):
         state.last_step = metrics.step
-        write_all(sinks, {**metrics.to_dict(), **state.pending_evaluation})
+        report = {**metrics.to_dict(), **state.pending_evaluation}
+        write_all(sinks, report)
+        events.emit("step_reported", **{key: value for key, value in report.items() if key != "time"})
         state.pending_evaluation.clear()
 
 
@@ -152,11 +155,13 @@ def run_monitor(
     stop: threading.Event,
 ) -> MonitorState:
     """Run until ``stop`` is set. ``peer_args.web_token`` authenticates web reports and http uploads."""
+    events.open_event_log(peer_args.events_path)
     token = peer_args.web_token
     validators, _ = make_validators(peer_args.experiment_prefix)
     if monitor_args.wandb_project is not None:
         require_extra("wandb", "--wandb_project")  # before the DHT starts: a missing extra is one line, nothing else
     dht = start_dht(peer_args, validators, client_mode=False)
+    events.emit("joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=False)
     config = to_config(peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args)
     for secret in SECRET_SETTINGS:
         config.pop(secret, None)
@@ -190,4 +195,5 @@ def run_monitor(
             averager.shutdown()
         dht.shutdown()
     logger.info("Monitor stopped at global step %s", state.last_step)
+    events.emit("shutdown", step=state.last_step)
     return state

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from arguments import TrainingArguments
+from collab import events
 from collab.callback import CollaborativeCallback, EpochReport
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ def train(
             if not (math.isfinite(loss_value) and torch.isfinite(grad_norm)):
                 summary.skipped_batches += 1
                 logger.warning("Dropping a mini-batch with non-finite loss or gradients (loss %s)", loss_value)
+                events.emit("batch_dropped", epoch=optimizer.local_epoch, skipped_batches=summary.skipped_batches)
                 scaler.update()
                 optimizer.zero_grad()
                 continue

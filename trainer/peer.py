@@ -16,6 +16,7 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
+from collab import events
 from collab.callback import CollaborativeCallback, read_resume_point
 from collab.dht import start_dht
 from collab.optim import build_optimizer, finish_delayed_updates
@@ -45,7 +46,41 @@ def run_peer(
     training_args: TrainingArguments,
     stop: threading.Event,
 ) -> TrainingSummary:
-    """Join the collaboration, train until stopped or max_steps, save the model to output_dir, leave cleanly."""
+    """Join the collaboration, train until stopped or max_steps, save the model to output_dir, leave cleanly.
+    Ends with the ``shutdown`` event, ``saved`` telling whether the model reached output_dir."""
+    events.open_event_log(peer_args.events_path)
+    summary = None
+    try:
+        summary = _train_and_save(
+            peer_args,
+            optimizer_args,
+            averager_args,
+            tracker_args,
+            collaboration_args,
+            dataset_args,
+            training_args,
+            stop,
+        )
+        return summary
+    finally:
+        events.emit(
+            "shutdown",
+            saved=summary is not None,
+            epoch=None if summary is None else summary.end_epoch,
+            folder=str(training_args.output_dir),
+        )
+
+
+def _train_and_save(
+    peer_args: PeerArguments,
+    optimizer_args: OptimizerArguments,
+    averager_args: AveragerArguments,
+    tracker_args: ProgressTrackerArguments,
+    collaboration_args: CollaborationArguments,
+    dataset_args: DatasetArguments,
+    training_args: TrainingArguments,
+    stop: threading.Event,
+) -> TrainingSummary:
     flush_denormals()
     device = training_device()
     use_amp = mixed_precision(training_args.fp16, device)
@@ -71,6 +106,9 @@ def run_peer(
         resume = read_resume_point(collaboration_args.resume_from, type(model))
     validators, public_key = make_validators(peer_args.experiment_prefix)
     dht = start_dht(peer_args, validators)
+    events.emit(
+        "joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=peer_args.client_mode
+    )
     optimizer = None
     try:
         optimizer = build_optimizer(model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args)

@@ -1,0 +1,133 @@
+"""Events of averaging: ``averaged`` from the all-reduce runner (with the bytes it really sent and received),
+``step_begun`` and ``state_loaded`` from the optimizer (docs/EVENTS.md).
+
+hivemind's ``AllReduceRunner`` streams ``averaging_pb2.AveragingData`` messages: this peer's parts to each reducer
+(``_generate_input_for_peer``) and, as a reducer, the averaged parts back to each sender
+(``_accumulate_parts_streaming``); it receives the senders' parts and the reducers' averages. Each message is counted
+at its protobuf size (``ByteSize``, what goes on the wire without libp2p's framing), so compression and the group's
+shares show in the figures. The counts live in the averager's own process, where the round runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from collab import events
+
+
+@dataclass
+class RoundTraffic:
+    """Serialized bytes of one round's messages, both directions."""
+
+    sent: int = 0
+    received: int = 0
+
+
+async def counted(messages: AsyncIterator, add) -> AsyncIterator:
+    """``messages``, calling ``add(message.ByteSize())`` for each as it passes."""
+    async for message in messages:
+        add(message.ByteSize())
+        yield message
+
+
+class _CountingStub:
+    """A reducer's stub whose ``rpc_aggregate_part`` answers are counted as received."""
+
+    def __init__(self, stub, traffic: RoundTraffic):
+        self._stub, self._traffic = stub, traffic
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator) -> AsyncIterator:
+        answers = await self._stub.rpc_aggregate_part(requests)
+        return counted(answers, self._add_received)
+
+    def _add_received(self, size: int) -> None:
+        self._traffic.received += size
+
+
+class TrafficCountingMixin:
+    """Counts an ``AllReduceRunner``'s traffic and emits ``averaged`` (kind, group_size, bytes_sent, bytes_received,
+    seconds) when its round completes; put it before ``AllReduceRunner``. The class sets ``round_kind``."""
+
+    round_kind: str
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.traffic = RoundTraffic()
+
+    def _add_sent(self, size: int) -> None:
+        self.traffic.sent += size
+
+    def _add_received(self, size: int) -> None:
+        self.traffic.received += size
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self.traffic)
+
+    def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator:
+        return counted(super()._generate_input_for_peer(peer_index), self._add_sent)
+
+    def _accumulate_parts_streaming(self, stream: AsyncIterator, sender_index: int) -> AsyncIterator:
+        return counted(
+            super()._accumulate_parts_streaming(counted(stream, self._add_received), sender_index), self._add_sent
+        )
+
+    async def run(self) -> AsyncIterator:
+        started = time.monotonic()
+        async for delta in super().run():
+            yield delta
+        events.emit(
+            "averaged",
+            kind=f"{self.round_kind}s",
+            group_size=self.group_size,
+            bytes_sent=self.traffic.sent,
+            bytes_received=self.traffic.received,
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+
+def state_bytes(tensors) -> int:
+    """The size of ``tensors`` in memory: what a state download carries with hivemind's default (no compression)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors if isinstance(tensor, torch.Tensor))
+
+
+class OptimizerEventsMixin:
+    """Emits ``step_begun`` as a global step's gradient round begins, ``round_scheduled`` when a gradient round is
+    pre-scheduled, ``out_of_sync`` when the peer finds itself behind and ``state_loaded`` when a load of the state
+    from peers moved it to a newer epoch; put it before ``hivemind.Optimizer``."""
+
+    def _should_load_state_from_peers(self) -> bool:
+        behind = super()._should_load_state_from_peers()
+        if behind:
+            events.emit("out_of_sync", epoch=self.local_epoch, global_epoch=self.tracker.global_epoch)
+        return behind
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        scheduled_before = self.scheduled_grads
+        super()._maybe_schedule_gradient_averaging()
+        if self.scheduled_grads is not scheduled_before:
+            events.emit("round_scheduled", epoch=self.local_epoch)
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        if self.use_gradient_averaging:
+            events.emit("step_begun", epoch=self.local_epoch)
+        super()._update_global_epoch(grad_scaler)
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        epoch_before, started = self.local_epoch, time.monotonic()
+        super().load_state_from_peers(**kwargs)
+        if self.local_epoch > epoch_before:
+            averager = self.state_averager
+            parameters = (param for group in averager.optimizer.param_groups for param in group["params"])
+            optimizer_state = (value for state in averager.optimizer.state.values() for value in state.values())
+            events.emit(
+                "state_loaded",
+                epoch=self.local_epoch,
+                epoch_before=epoch_before,
+                bytes=state_bytes(chain(parameters, optimizer_state)),
+                seconds=round(time.monotonic() - started, 3),
+            )
