@@ -667,7 +667,9 @@ def _download_config(source: str, token: str | None) -> bytes:
     import requests
 
     # identity encoding, read raw: a compressed body could inflate far past the cap inside one read
-    headers = {"Accept-Encoding": "identity", **({"Authorization": f"Bearer {token}"} if token else {})}
+    from collab.wire import bearer_header  # here, not at the top: the collab package imports this module
+
+    headers = {"Accept-Encoding": "identity", **bearer_header(token)}
     deadline = time.monotonic() + CONFIG_DOWNLOAD_TIMEOUT
     with requests.get(source, headers=headers, timeout=30, stream=True) as response:
         if response.status_code in (401, 403):

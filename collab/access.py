@@ -34,6 +34,7 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from collab.errors import AccessError
+from collab.wire import bearer_header
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class WebAppAuthorizer(TokenAuthorizerBase):
     def _request_token(self) -> tuple[AccessToken, RSAPublicKey]:
         import requests
 
-        headers = {"Authorization": f"Bearer {self.experiment_token}"} if self.experiment_token else {}
+        headers = bearer_header(self.experiment_token)
         body = {
             "public_key": base64.b64encode(self.local_public_key.to_bytes()).decode(),
             "username": self.username,

@@ -21,13 +21,13 @@ import json
 import logging
 import os
 import platform
-import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from collab.storage import atomic_directory
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -340,30 +340,11 @@ def build(
         "tokenizer": tokenizer_path or "trained WordPiece (lowercase, BERT-style)",
         "train_text_sha256": hashlib.sha256("\n".join(train).encode("utf-8")).hexdigest(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like a normal folder
-    try:
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        splits.save_to_disk(str(tmp / "tokenized"))
-        (tmp / "validation.txt").write_text("".join(d + "\n" for d in val), encoding="utf-8")
-        (tmp / "prepare_info.json").write_text(json.dumps(info, indent=2) + "\n")  # written last: marks completeness
-        old = None
-        if out.exists():  # a non-empty folder cannot be replaced in one step: move the old one aside first
-            old = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-old-", dir=out.parent))
-            os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if old is not None:
-                os.replace(old, out)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_directory(out) as staging:
+        tokenizer.save_pretrained(staging / "tokenizer")
+        splits.save_to_disk(str(staging / "tokenized"))
+        (staging / "validation.txt").write_text("".join(d + "\n" for d in val), encoding="utf-8")
+        (staging / "prepare_info.json").write_text(json.dumps(info, indent=2) + "\n")  # last: marks completeness
     logger.info("wrote %s", out)
     return info, True
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import threading
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 
 from arguments import MonitorArguments
 from collab.extras import require_extra
+from collab.wire import bearer_header, json_safe
 from monitor.aggregate import format_line
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class JsonLinesSink:
             self._file.write("\n")  # a crash cut the last line short: start on a fresh one
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(_json_safe(record)) + "\n")
+        self._file.write(json.dumps(json_safe(record)) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -101,7 +101,7 @@ class HttpReportSink:
 
     def __init__(self, url: str, token: str | None, timeout: float = 10.0, max_queued: int = 10_000, retries: int = 5):
         self.url, self.timeout, self.retries = url, timeout, retries
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = bearer_header(token)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="report-sender", daemon=True)
@@ -110,7 +110,7 @@ class HttpReportSink:
     def write(self, record: Mapping[str, Any]) -> None:
         while True:
             try:
-                self._queue.put_nowait(_json_safe(record))
+                self._queue.put_nowait(json_safe(record))
                 return
             except queue.Full:
                 self._queue.get_nowait()
@@ -140,11 +140,6 @@ class HttpReportSink:
     def close(self, timeout: float = 10.0) -> None:
         self._closed.set()
         self._thread.join(timeout)
-
-
-def _json_safe(record: Mapping[str, Any]) -> dict[str, Any]:
-    """NaN and infinity are not JSON: write them as null."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
 def build_sinks(monitor_args: MonitorArguments, run_name: str, token: str | None, config: Mapping) -> list[Sink]:

@@ -24,6 +24,7 @@ from typing import Protocol
 from collab.checkpoint import Manifest, VerifiedCheckpoints, latest_checkpoint, prune_checkpoints
 from collab.extras import require_extra
 from collab.storage import atomic_directory
+from collab.wire import bearer_header
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class HttpTarget:
 
     def __init__(self, url: str, token: str | None, timeout: float = 600.0):
         self.url, self.timeout = url, timeout
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = bearer_header(token)
 
     def upload(self, folder: Path, manifest: Manifest) -> None:
         import requests

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
-from typing import Any
 
 import jinja2
 from fastapi import FastAPI, HTTPException, Request
@@ -17,6 +15,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from collab.wire import json_safe
 from web.settings import WebSettings
 from web.store import Store
 from web.upload import remove_interrupted_uploads, remove_unlisted_archives
@@ -33,20 +32,9 @@ DOCS_CSP = CSP.replace("style-src 'self'", "style-src 'self' 'unsafe-inline'").r
 )
 
 
-def _json_safe(value: Any) -> Any:
-    """NaN and infinities as strings: JSON has no such numbers, and an error body must still be sent."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
-
-
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 body, which would fail to encode a rejected NaN (a 500 instead of a 422)."""
-    return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, 422)
+    return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, 422)
 
 
 class BodyLimit:
