@@ -20,8 +20,9 @@ process (``trainer.peer.train``, ``collab.checkpoint.stage_checkpoint_files``), 
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,19 @@ def split_faults_flag(argv: Sequence[str]) -> tuple[Faults, list[str]]:
     if len(argv) < 2 or argv[0] != FLAG:
         raise ValueError(f"{FLAG}: give it first, e.g. {FLAG} nan_loss@3, then the program's own flags")
     return parse_faults(argv[1]), list(argv[2:])
+
+
+def run_with_faults(
+    prog: str, argv: Sequence[str], install: Callable[[Faults], None], program_main: Callable[[list[str]], int]
+) -> int:
+    """A wrapper's ``main``: read ``--faults SPEC``, ``install`` them in this process, run ``program_main(rest)``."""
+    try:
+        faults, rest = split_faults_flag(argv)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    install(faults)
+    return program_main(rest)
 
 
 def pause_checkpoint_writes(faults: Faults) -> None:

@@ -7,21 +7,10 @@ from __future__ import annotations
 
 import sys
 
-
-def main() -> int:
+if __name__ == "__main__":
     # tests/faults.py: this script's folder comes first on sys.path
-    from faults import inject_training_faults, split_faults_flag
+    from faults import inject_training_faults, run_with_faults
 
-    try:
-        faults, argv = split_faults_flag(sys.argv[1:])
-    except ValueError as e:
-        print(f"faulty_peer.py: error: {e}", file=sys.stderr)
-        return 2
-    inject_training_faults(faults)
     import run_trainer
 
-    return run_trainer.main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_with_faults("faulty_peer.py", sys.argv[1:], inject_training_faults, run_trainer.main))
