@@ -15,10 +15,14 @@ import dataclasses
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from trainer.local import wait_until
+
 GPT2_VOCAB, GPT2_POSITIONS, GPT2_HIDDEN = 50257, 1024, 768
+START_TIMEOUT = 600.0
 MICRO_BATCH = 16  # samples a shadow step counts, as the trainer's default per_device_train_batch_size
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,16 @@ class ShadowArguments:
     layers: int = dataclasses.field(default=12, metadata={"help": "GPT-2 blocks whose shapes the gradients take"})
     micro_batch_s: float = dataclasses.field(
         default=0.2, metadata={"help": "Seconds of emulated forward and backward per micro-batch (the GPU's time)"}
+    )
+    ready_file: str | None = dataclasses.field(
+        default=None, metadata={"help": "Created once this peer's optimizer is built"}
+    )
+    start_file: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Wait for this file before the first step, so that peers start together at epoch 0 and none "
+            "has to download a 124M-parameter state while the others run ahead"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -78,6 +92,10 @@ def run_shadow(peer_args, optimizer_args, averager_args, tracker_args, training_
     optimizer = None
     try:
         optimizer = build_optimizer(model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args)
+        if shadow_args.ready_file:
+            Path(shadow_args.ready_file).touch()
+        if shadow_args.start_file:
+            wait_until(lambda: stop.is_set() or Path(shadow_args.start_file).exists(), START_TIMEOUT, "the start file")
         while not stop.is_set():
             time.sleep(shadow_args.micro_batch_s)  # the GPU's forward and backward
             optimizer.step(batch_size=MICRO_BATCH)

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -142,17 +143,19 @@ def lowcomm_flags(local_steps: int, compression: str) -> list[str]:
     ]
 
 
+# A round ends when the swarm has processed H x target_batch_size samples, so each of 3 peers takes H x 256 / (3 x 16)
+# inner steps between rounds: 267 at H 50, where 8 bits both ways (2 x 2(N-1)/N x 8 bits) make 0.08 bits per
+# parameter per inner step.
 FULL = Plan(
     lowcomm_variants={
-        f"H {h}, {c}": lowcomm_flags(h, c)
-        for h in (50, 200)
-        for c in ("fp16", "8bit", "topk")
-        if h == 200 or c != "topk"
+        "H 10, 8bit": lowcomm_flags(10, "8bit"),
+        "H 50, 8bit": lowcomm_flags(50, "8bit"),
+        "H 50, topk": lowcomm_flags(50, "topk"),
     },
 )
 QUICK = Plan(
     seconds=30.0,
-    lowcomm_variants={"H 50, 8bit": lowcomm_flags(50, "8bit")},
+    lowcomm_variants={"H 5, 8bit": lowcomm_flags(5, "8bit")},
     loss_steps_per_peer=60,
     shadow_peers=2,
     shadow_layers=2,
@@ -198,6 +201,15 @@ def default_model_params() -> int:
     return sum(param.numel() for param in model.parameters())
 
 
+MAX_WINDOW_S = 600.0
+
+
+def window_s(seconds: float, epoch_s: float) -> float:
+    """The measured window: ``seconds``, or two epochs (as long as the first one after shaping) when longer, so
+    that the window holds whole averaging rounds; at most ``MAX_WINDOW_S``."""
+    return min(max(seconds, 2 * epoch_s), MAX_WINDOW_S)
+
+
 def run_swarm(
     network: HubNetwork,
     name: str,
@@ -224,6 +236,11 @@ def run_swarm(
     for path in steps + events:
         path.unlink(missing_ok=True)
     with_events = trainer_has_flag("events_path")
+    barrier = module == "bench.shadow"  # shadow peers start stepping together (see bench.shadow --start_file)
+    start_file = log_dir / f"{name}.start"
+    ready = [log_dir / f"{name}_{rank}.ready" for rank in range(len(network.peers))]
+    for path in [start_file, *ready]:
+        path.unlink(missing_ok=True)
     network.set_rates(FAST_LINK_MBIT, FAST_LINK_MBIT)
 
     def records():
@@ -241,7 +258,8 @@ def run_swarm(
                     *join,
                     "--output_dir",
                     outputs[rank],
-                    *(["--events_path", events[rank]] if with_events else []),
+                    *(["--events_path", events[rank]] if with_events and not barrier else []),
+                    *(["--ready_file", ready[rank], "--start_file", start_file] if barrier else []),
                 ],
                 log_dir / f"{name}_{rank}.log",
                 timeout,
@@ -254,12 +272,16 @@ def run_swarm(
                     lambda child=child: JOIN_LINE.search(child.log()), 180, "the first address", 1, started
                 )
                 join = found.group(1).split()
+        if barrier:
+            wait_for(lambda: all(path.exists() for path in ready), 600, f"{name}: every peer ready", 1, started)
+            start_file.touch()
         wait_for(lambda: all(records()), 300, f"{name}: every peer training", 1, started)
         if rate_mbit is not None:
             network.set_rates(rate_mbit, rate_mbit)
-        shaped_epoch = max(steps[-1][2] for steps in records())
-        wait_for(lambda: min(s[-1][2] for s in records()) > shaped_epoch, 600, f"{name}: an epoch", 1, started)
+        shaped, shaped_epoch = time.time(), max(steps[-1][2] for steps in records())
+        wait_for(lambda: min(s[-1][2] for s in records()) > shaped_epoch, 900, f"{name}: an epoch", 1, started)
         counters, start = network.counters(), time.time()
+        seconds = window_s(seconds, start - shaped)
         if stop_at_samples:
             wait_for(
                 lambda: all(sum(s[1] for s in peer) >= stop_at_samples for peer in records()),
@@ -399,37 +421,37 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     }
 
 
-def measure(plan: Plan, log_dir: Path, progress: Callable[[str], None] = lambda _: None) -> dict:
+WAYS = {"rate_scaled": rate_scaled, "shadow": shadow}
+
+
+def measure(
+    plan: Plan, log_dir: Path, progress: Callable[[str], None] = lambda _: None, ways: Sequence[str] = tuple(WAYS)
+) -> dict:
     """The wan part's figures; ``{"skipped": reason}`` where network namespaces are not allowed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return {
-            "setting": dataclasses.asdict(SETTING),
-            "rate_scaled": rate_scaled(plan, log_dir, progress),
-            "shadow": shadow(plan, log_dir, progress),
-        }
+        return {"setting": dataclasses.asdict(SETTING)} | {way: WAYS[way](plan, log_dir, progress) for way in ways}
     except OSError as e:
         return {"skipped": str(e)}
 
 
 def summarize(wan: dict) -> dict:
     """The four summary figures; the best low-communication variant stands for the mode."""
-    if "skipped" in wan:
-        return {key: None for key in SUMMARY_KEYS}
-    scaled = wan["rate_scaled"]
-    variants = [run for run in scaled["lowcomm"].values() if run]
-    best = max(variants, key=lambda run: run["efficiency"] or 0, default=None)
-    bits = {
-        "sync": scaled["sync"]["bits_per_param_per_step"],
-        "shadow_sync": wan["shadow"]["sync"]["bits_per_param_per_step"],
-    }
-    bits |= {name: run["bits_per_param_per_step"] for name, run in scaled["lowcomm"].items() if run}
-    return {
-        "wan_efficiency_sync": scaled["sync"]["efficiency"],
-        "wan_efficiency_lowcomm": best and best["efficiency"],
-        "bits_per_param_per_step": bits,
-        "lowcomm_loss_ratio": scaled["loss"] and scaled["loss"]["ratio"],
-    }
+    summary: dict = {key: None for key in SUMMARY_KEYS}
+    bits: dict = {}
+    if wan.get("shadow"):
+        bits["shadow_sync"] = wan["shadow"]["sync"]["bits_per_param_per_step"]
+    scaled = wan.get("rate_scaled")
+    if scaled:
+        variants = [run for run in scaled["lowcomm"].values() if run]
+        best = max(variants, key=lambda run: run["efficiency"] or 0, default=None)
+        bits["sync"] = scaled["sync"]["bits_per_param_per_step"]
+        bits |= {name: run["bits_per_param_per_step"] for name, run in scaled["lowcomm"].items() if run}
+        summary["wan_efficiency_sync"] = scaled["sync"]["efficiency"]
+        summary["wan_efficiency_lowcomm"] = best and best["efficiency"]
+        summary["lowcomm_loss_ratio"] = scaled["loss"] and scaled["loss"]["ratio"]
+    summary["bits_per_param_per_step"] = bits or None
+    return summary
 
 
 def rounded(value):
@@ -446,8 +468,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few minutes, fewer and shorter runs")
     parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/wan"), help="every process's log")
     parser.add_argument("--output", type=Path, default=None, help="also write every figure as JSON here")
+    parser.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS), help="ways of emulating to run")
     args = parser.parse_args(argv)
-    wan = measure(QUICK if args.quick else FULL, args.log_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups: children, network namespaces
+    wan = measure(QUICK if args.quick else FULL, args.log_dir, ways=args.ways)
     if args.output:
         args.output.write_text(json.dumps(wan, default=str, indent=1) + "\n")
     print(json.dumps(rounded(summarize(wan))))

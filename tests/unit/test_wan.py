@@ -14,6 +14,7 @@ from bench.formulas import MBIT
 from bench.procs import Child, children, hub_network, link_bytes
 from bench.shadow import gpt2_shapes, shadow_numel
 from bench.wan import (
+    MAX_WINDOW_S,
     SETTING,
     SUMMARY_KEYS,
     Setting,
@@ -23,6 +24,7 @@ from bench.wan import (
     scaled_rate_mbit,
     summarize,
     window_figures,
+    window_s,
 )
 
 
@@ -174,3 +176,9 @@ def test_report_marks_variants_not_available_and_names_each_way():
     assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | 40.00 | 60.00 | 5 / 6 |" in text
     assert "| synchronous (shadow compute) | 100.000 |" in text
     assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
+
+
+def test_window_holds_two_epochs_within_bounds():
+    assert window_s(120.0, 20.0) == 120.0
+    assert window_s(120.0, 100.0) == 200.0
+    assert window_s(120.0, 1000.0) == MAX_WINDOW_S
