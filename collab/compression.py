@@ -1,0 +1,334 @@
+"""Pseudo-gradient compression for the low-communication mode: what each peer contributes, and how it travels.
+
+A ``PseudoGradientCodec`` (one per peer, from ``make_codec``) has two halves:
+
+- ``encode_`` turns this peer's pseudo-gradient into what it contributes this round. ``fp16`` and ``8bit`` send it
+  as it is; ``topk`` (SparseLoCo-style) adds it to a held-back buffer, sends the largest ``topk_fraction`` of that
+  buffer quantised to ``value_bits`` bits, and keeps the rest for later rounds (error feedback: nothing is lost,
+  only delayed). Tensors under ``DENSE_BELOW_VALUES`` values (biases, norms) go dense fp16, still error-fed.
+- ``wire`` is the hivemind compression the all-reduce uses for these tensors. ``SparseFloat16Wire`` sends a part as
+  (indices, values), as (bitmap, values) or dense fp16, whichever is smallest: each peer's top-k part is sparse, and
+  the reducer's reply (average minus the sender's part) has the union of the group's supports, which the bitmap form
+  carries at 1 bit per value plus 2 bytes per non-zero.
+
+hivemind decodes what arrives with its own per-type decoders, which know neither the sparse forms nor (under numpy
+2) how to read 8-bit parts. An averager that exchanges these formats must therefore put ``WireAveragerMixin`` before
+its hivemind class: it decodes every part this peer receives (as a reducer and as a sender of parts) with
+``extract_wire_tensor`` and encodes each reply in the form of the part it answers. A plain hivemind groupmate fails
+loudly on a sparse part (its length matches no dense part), never misreads it.
+
+Operators: ``topk`` sends about 3 % of fp16's bytes per peer at ``topk_fraction`` 0.01 (6 bytes per kept value);
+the replies grow with the group, up to 1/8 byte per value plus 2 bytes per non-zero of the union. Raise
+``topk_fraction`` if the loss lags the dense modes; lower it if rounds stall on the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
+
+import numpy as np
+import torch
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor
+
+from collab.hivemind_fixes import quantization_extract
+
+logger = logging.getLogger(__name__)
+
+CODEC_KINDS = ("fp16", "8bit", "topk")
+DENSE_BELOW_VALUES = 2**16  # biases and norms (as for 8-bit gradients): few bytes to save, the most sensitive values
+MAX_VALUE_BITS = 8
+MAX_PART_VALUES = 2**26  # a sparse part claims its own size: bound what a groupmate can make this peer allocate
+WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+FP16_MAX = torch.finfo(torch.float16).max
+INDEX_FORM, BITMAP_FORM = 1, 2
+HEADER_BYTES = 4  # uint32 form tag: keeps the int32 indices and fp16 values that follow aligned
+
+
+class SparseFloat16Wire(Float16Compression):
+    """fp16 on the wire, sent as the smallest of: (indices, values), (bitmap, values), dense fp16.
+
+    Exact for values that fp16 represents (``topk`` contributions are), so sparse input keeps its zeros and support.
+    A sparse part is always shorter than the dense one (2 bytes per value), which is how ``extract`` tells them
+    apart; it is typed FLOAT16, so parts are sized as fp16 parts (``estimate_compression_ratio``).
+    """
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        dense = super().compress(tensor, info, allow_inplace=False)
+        values = np.frombuffer(dense.buffer, dtype=np.float16)
+        nonzero = np.flatnonzero(values)
+        index_bytes = HEADER_BYTES + nonzero.size * 6
+        bitmap_bytes = HEADER_BYTES + math.ceil(values.size / 8) + nonzero.size * 2
+        if min(index_bytes, bitmap_bytes) >= len(dense.buffer):
+            return dense
+        if index_bytes <= bitmap_bytes:
+            parts = (np.uint32(INDEX_FORM).tobytes(), nonzero.astype(np.int32).tobytes(), values[nonzero].tobytes())
+        else:
+            bitmap = np.packbits(values != 0)
+            parts = (np.uint32(BITMAP_FORM).tobytes(), values[nonzero].tobytes(), bitmap.tobytes())
+        dense.buffer = b"".join(parts)
+        return dense
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        if math.prod(shape) > MAX_PART_VALUES:
+            raise ValueError(f"wire part of shape {shape}: more than {MAX_PART_VALUES} values")
+        if serialized_tensor.dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire part of dtype {serialized_tensor.dtype!r}: expected one of {list(WIRE_DTYPES)}")
+        buffer, numel = serialized_tensor.buffer, math.prod(shape)
+        if len(buffer) == 2 * numel:
+            return super().extract(serialized_tensor)
+        positions, values = _sparse_positions_and_values(buffer, numel)
+        result = torch.zeros(numel, dtype=torch.float32)
+        result[torch.from_numpy(positions.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
+        dtype = WIRE_DTYPES[serialized_tensor.dtype]
+        return result.reshape(shape).to(dtype).requires_grad_(serialized_tensor.requires_grad)
+
+
+def _sparse_positions_and_values(buffer: bytes, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """The non-zero positions (strictly increasing, below ``numel``) and fp16 values of a sparse wire part."""
+    if len(buffer) < HEADER_BYTES:
+        raise ValueError(f"wire part of {len(buffer)} bytes: neither dense fp16 nor a sparse form")
+    form = int(np.frombuffer(buffer, dtype=np.uint32, count=1)[0])
+    body = len(buffer) - HEADER_BYTES
+    if form == INDEX_FORM and body % 6 == 0:
+        count = body // 6
+        positions = np.frombuffer(buffer, dtype=np.int32, count=count, offset=HEADER_BYTES)
+        values = np.frombuffer(buffer, dtype=np.float16, count=count, offset=HEADER_BYTES + 4 * count)
+        if count and (positions[0] < 0 or positions[-1] >= numel or np.any(np.diff(positions) <= 0)):
+            raise ValueError("sparse wire part: indices must increase strictly and lie inside the part")
+        return positions, values
+    bitmap_bytes = math.ceil(numel / 8)
+    if form == BITMAP_FORM and body >= bitmap_bytes and (body - bitmap_bytes) % 2 == 0:
+        count = (body - bitmap_bytes) // 2
+        values = np.frombuffer(buffer, dtype=np.float16, count=count, offset=HEADER_BYTES)
+        bitmap = np.frombuffer(buffer, dtype=np.uint8, offset=HEADER_BYTES + 2 * count)
+        positions = np.flatnonzero(np.unpackbits(bitmap)[:numel])
+        if positions.size != count:
+            raise ValueError(f"sparse wire part: bitmap marks {positions.size} values, the part carries {count}")
+        return positions, values
+    raise ValueError(f"wire part of {len(buffer)} bytes for {numel} values: neither dense fp16 nor a sparse form")
+
+
+class Uniform8BitWire(Uniform8BitQuantization):
+    """hivemind's uniform 8-bit quantisation (256 levels over 6 sigma, bucket means as codebook), read in a way
+    that works under numpy 2 whether or not ``collab.hivemind_fixes`` has patched hivemind."""
+
+    extract = quantization_extract
+
+
+class EightBitWire(SizeAdaptiveCompression):
+    """8 bits for tensors of ``EIGHT_BIT_MIN_VALUES`` values or more, fp16 below (as ``--grad_compression 8bit``)."""
+
+    def __init__(self):
+        from collab.optim import EIGHT_BIT_MIN_VALUES  # here: collab.optim builds the codecs through this module
+
+        super().__init__(EIGHT_BIT_MIN_VALUES, less=Float16Compression(), greater_equal=Uniform8BitWire())
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return extract_wire_tensor(serialized_tensor)
+
+
+SPARSE_FLOAT16_WIRE, UNIFORM_8BIT_WIRE = SparseFloat16Wire(), Uniform8BitWire()
+WIRE_DECODERS = {runtime_pb2.FLOAT16: SPARSE_FLOAT16_WIRE, runtime_pb2.UNIFORM_8BIT: UNIFORM_8BIT_WIRE}
+
+
+def extract_wire_tensor(serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    """Decode a part in any form this module's wires send; other types as hivemind decodes them."""
+    decoder = WIRE_DECODERS.get(serialized_tensor.compression)
+    if decoder is None:
+        return deserialize_torch_tensor(serialized_tensor)
+    return decoder.extract(serialized_tensor).requires_grad_(serialized_tensor.requires_grad)
+
+
+def encode_reply(delta: torch.Tensor, part_type: int) -> runtime_pb2.Tensor:
+    """A reducer's reply (average minus the sender's part) in the form of the part it answers, as hivemind replies;
+    fp16 parts are answered in the smallest fp16 form (the average's support is the union of the senders')."""
+    if part_type == runtime_pb2.FLOAT16:
+        return SPARSE_FLOAT16_WIRE.compress(delta, CompressionInfo.from_tensor(delta))
+    return serialize_torch_tensor(delta, part_type)
+
+
+def as_raw_part(message: averaging_pb2.AveragingData) -> averaging_pb2.AveragingData:
+    """``message`` with its tensor part re-encoded uncompressed (fp32, exact), for hivemind's own decoding. A part
+    this module cannot decode is left as it came: hivemind's decoding then refuses it in its own error handling
+    (the sender is dropped from the round, or the reducer's part kept local)."""
+    if message.HasField("tensor_part"):
+        try:
+            tensor = extract_wire_tensor(message.tensor_part)
+        except (ValueError, TypeError, RuntimeError, IndexError) as error:
+            logger.debug("Undecodable wire part left to hivemind: %s", error)
+            return message
+        raw = NoCompression().compress(tensor, CompressionInfo.from_tensor(tensor))
+        message.tensor_part.CopyFrom(raw)
+    return message
+
+
+class RawPartsStub:
+    """An averager's RPC stub whose all-reduce replies arrive re-encoded by ``as_raw_part``."""
+
+    def __init__(self, stub):
+        self._stub = stub
+
+    def __getattr__(self, name: str):
+        return getattr(self._stub, name)
+
+    async def rpc_aggregate_part(self, requests, timeout: float | None = None):
+        replies = await self._stub.rpc_aggregate_part(requests, timeout=timeout)
+        return amap_in_executor(as_raw_part, replies)
+
+
+class WireAveragerMixin:
+    """Put before the hivemind averager class (``class A(WireAveragerMixin, FiniteGradientAverager)``): this peer
+    reads every all-reduce part it receives with ``extract_wire_tensor`` and answers in ``encode_reply``'s forms.
+
+    Needed for ``SparseFloat16Wire`` parts and, without ``collab.hivemind_fixes``, 8-bit ones. hivemind's runner
+    itself is unchanged: it sees uncompressed parts, so its averaging, refusals and timeouts apply as they are.
+    """
+
+    @classmethod
+    def get_stub(cls, p2p: P2P, peer: PeerID, *, namespace: str | None = None):
+        return RawPartsStub(super().get_stub(p2p, peer, namespace=namespace))
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        part_types = deque()  # the wire type of each received part, in order: the reply to part i comes i-th
+
+        async def noting_part_types():
+            async for request in stream:
+                part_types.append(request.tensor_part.compression)
+                yield request
+
+        loop = asyncio.get_running_loop()
+        raw_requests = amap_in_executor(as_raw_part, noting_part_types())
+        async for reply in super().rpc_aggregate_part(raw_requests, context):
+            if reply.code == averaging_pb2.AVERAGED_PART:
+                if not part_types:
+                    raise AllreduceException("a reply to a part that never arrived")
+                part_type = part_types.popleft()
+                delta = deserialize_torch_tensor(reply.tensor_part)  # uncompressed: no copy
+                tensor_part = await loop.run_in_executor(None, encode_reply, delta, part_type)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=tensor_part)
+            yield reply
+
+
+@torch.no_grad()
+def top_k_contribution(held_back: torch.Tensor, fraction: float, value_bits: int) -> torch.Tensor:
+    """The largest ``fraction`` of ``held_back`` by magnitude (at least one value), each as sign times one of
+    ``2**(value_bits - 1)`` levels of one per-tensor scale, zeros elsewhere.
+
+    The scale puts the kept values' mean magnitude mid-way up the levels; contributions are rounded to fp16, so the
+    wire carries them exactly. Each value goes to its nearest level, 0 included (a kept value below half a level
+    stays held back): no held-back value ever grows in magnitude."""
+    flat = held_back.reshape(-1).float()
+    count = max(1, round(fraction * flat.numel()))
+    magnitudes, positions = flat.abs().topk(count, sorted=False)
+    top_level = 2 ** (value_bits - 1)
+    scale = min(magnitudes.mean().item() * 2 / (top_level + 1), FP16_MAX / top_level)
+    scale = torch.tensor(scale, dtype=torch.float16).item()
+    contribution = torch.zeros_like(flat)
+    if scale > 0:
+        levels = (magnitudes / scale).round_().clamp_(max=top_level)
+        contribution[positions] = (flat[positions].sign() * levels * scale).half().float()
+    return contribution.reshape(held_back.shape).to(held_back.dtype)
+
+
+@torch.no_grad()
+def float16_contribution(held_back: torch.Tensor) -> torch.Tensor:
+    """``held_back`` rounded to fp16 (what the wire would make of it), in its own dtype."""
+    return held_back.clamp(-FP16_MAX, FP16_MAX).half().to(held_back.dtype)
+
+
+class PseudoGradientCodec:
+    """Sends each pseudo-gradient as it is, on ``wire`` (``fp16`` and ``8bit``); ``TopKCodec`` holds values back."""
+
+    def __init__(self, kind: str, wire: CompressionBase):
+        self.kind, self.wire = kind, wire
+
+    def encode_(self, index: int, pseudo_grad: torch.Tensor) -> None:
+        """In place: replace this peer's pseudo-gradient number ``index`` by what it contributes this round."""
+
+    def reset(self) -> None:
+        """Forget held-back values (after this peer reloads the swarm's state)."""
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Accepts any codec's state: values held back by another kind are dropped (nothing here holds values)."""
+
+
+class TopKCodec(PseudoGradientCodec):
+    """SparseLoCo-style top-k with error feedback (``top_k_contribution``; dense fp16 under ``DENSE_BELOW_VALUES``).
+
+    A non-finite pseudo-gradient is not added to the held-back values (they would stay non-finite for good, and
+    groupmates refuse non-finite parts): that round this peer contributes what it held back, logged at WARNING."""
+
+    def __init__(self, topk_fraction: float, value_bits: int):
+        super().__init__("topk", SPARSE_FLOAT16_WIRE)
+        self.topk_fraction, self.value_bits = topk_fraction, value_bits
+        self._held_back: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def encode_(self, index: int, pseudo_grad: torch.Tensor) -> None:
+        held_back = self._held_back.get(index)
+        if held_back is None or held_back.shape != pseudo_grad.shape:
+            held_back = self._held_back[index] = torch.zeros_like(pseudo_grad, dtype=torch.float32)
+        if torch.isfinite(pseudo_grad).all():
+            held_back.add_(pseudo_grad.to(held_back.device))
+        else:
+            logger.warning("Pseudo-gradient %d is not finite: this round sends only values held back before", index)
+        if held_back.numel() < DENSE_BELOW_VALUES:
+            contribution = float16_contribution(held_back)
+        else:
+            contribution = top_k_contribution(held_back, self.topk_fraction, self.value_bits)
+        held_back.sub_(contribution)
+        pseudo_grad.copy_(contribution)
+
+    def reset(self) -> None:
+        self._held_back.clear()
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "held_back": {index: tensor.clone() for index, tensor in self._held_back.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Takes the held-back values of a ``topk`` state (another kind's state holds none)."""
+        held_back = state.get("held_back", {})
+        if not isinstance(held_back, dict):
+            raise ValueError("codec state: 'held_back' must map tensor indices to tensors")
+        for index, tensor in held_back.items():
+            if not (isinstance(index, int) and index >= 0 and isinstance(tensor, torch.Tensor)):
+                raise ValueError("codec state: 'held_back' must map non-negative integer indices to tensors")
+            if not (tensor.is_floating_point() and torch.isfinite(tensor).all()):
+                raise ValueError(f"codec state: held-back tensor {index} must hold finite floating-point values")
+        self._held_back = {index: tensor.float().clone() for index, tensor in held_back.items()}
+
+
+def make_codec(kind: str, *, topk_fraction: float = 0.01, value_bits: int = 2) -> PseudoGradientCodec:
+    """The codec for ``--pseudo_grad_compression kind``; ``topk_fraction`` and ``value_bits`` apply to ``topk``."""
+    if kind not in CODEC_KINDS:
+        raise ValueError(f"--pseudo_grad_compression must be one of {', '.join(CODEC_KINDS)}, got {kind!r}")
+    if not 0 < topk_fraction <= 1:
+        raise ValueError(f"--topk_fraction must be in (0, 1], got {topk_fraction}")
+    if not (isinstance(value_bits, int) and 1 <= value_bits <= MAX_VALUE_BITS):
+        raise ValueError(f"value_bits must be an integer from 1 to {MAX_VALUE_BITS}, got {value_bits!r}")
+    if kind == "topk":
+        return TopKCodec(topk_fraction, value_bits)
+    return PseudoGradientCodec(kind, Float16Compression() if kind == "fp16" else EightBitWire())

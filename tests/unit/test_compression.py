@@ -1,0 +1,315 @@
+"""collab.compression: top-k with error feedback, its wire format, and real hivemind all-reduce rounds through it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Iterator
+
+import hivemind
+import numpy as np
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionInfo, Float16Compression
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
+
+from collab.compression import (
+    CODEC_KINDS,
+    DENSE_BELOW_VALUES,
+    MAX_PART_VALUES,
+    SparseFloat16Wire,
+    WireAveragerMixin,
+    as_raw_part,
+    encode_reply,
+    extract_wire_tensor,
+    make_codec,
+    top_k_contribution,
+)
+
+TOP_K_VALUES = DENSE_BELOW_VALUES  # the smallest tensor that goes through top-k
+WIRE = SparseFloat16Wire()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Hundreds of rounds of small ops: on a busy shared CPU, two-thread torch ops wait on each other (20× slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def contributions_over_rounds(codec, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What ``codec`` contributes for tensor 0 in each round, given that round's pseudo-gradient."""
+    contributions = []
+    for delta in deltas:
+        contribution = delta.clone()
+        codec.encode_(0, contribution)
+        contributions.append(contribution)
+    return contributions
+
+
+def held_back(codec) -> torch.Tensor:
+    return codec.state_dict()["held_back"][0]
+
+
+def serialized(tensor: torch.Tensor, wire=WIRE) -> runtime_pb2.Tensor:
+    return wire.compress(tensor, CompressionInfo.from_tensor(tensor))
+
+
+def test_a_value_left_out_of_the_first_round_is_sent_in_a_later_one():
+    delta = torch.zeros(TOP_K_VALUES)
+    delta[0], delta[1] = 1.0, 0.6  # one value per round: index 1 loses round 1 to index 0
+    codec = make_codec("topk", topk_fraction=1 / TOP_K_VALUES)
+    contributions = contributions_over_rounds(codec, [delta] * 4)
+    assert contributions[0].count_nonzero() == 1 and contributions[0][0] > 0
+    assert any(contribution[1] > 0 for contribution in contributions[1:])
+
+
+def test_with_a_constant_pseudo_gradient_the_sum_sent_approaches_rounds_times_it():
+    """Sum sent + held back = R·Δ exactly each round, and what is held back stays bounded, so the sum sent per round
+    tends to Δ. The bound is the steady state of top-k: a value is sent when it reaches about ‖Δ‖₁/k."""
+    delta = torch.randn(TOP_K_VALUES, generator=torch.Generator().manual_seed(0))
+    codec = make_codec("topk", topk_fraction=0.01)
+    kept_per_round = round(0.01 * TOP_K_VALUES)
+    bound = delta.numel() ** 0.5 * delta.abs().sum() / kept_per_round
+    sent = torch.zeros_like(delta)
+    relative_errors = []
+    for rounds in range(1, 301):
+        (contribution,) = contributions_over_rounds(codec, [delta])
+        sent += contribution
+        assert torch.allclose(sent + held_back(codec), rounds * delta, rtol=1e-5, atol=1e-3)
+        assert (sent - rounds * delta).norm() <= bound
+        relative_errors.append(float((sent / rounds - delta).norm() / delta.norm()))
+    assert relative_errors[299] < relative_errors[74] / 2 < 0.3
+
+
+def test_a_single_pseudo_gradient_is_sent_in_full_over_later_rounds_and_no_held_value_grows():
+    delta = torch.randn(TOP_K_VALUES, generator=torch.Generator().manual_seed(1))
+    codec = make_codec("topk", topk_fraction=0.01)
+    contributions_over_rounds(codec, [delta])
+    for _ in range(300):
+        before = held_back(codec)
+        contributions_over_rounds(codec, [torch.zeros_like(delta)])
+        assert (held_back(codec).abs() <= before.abs()).all()
+    assert held_back(codec).norm() < 0.05 * delta.norm()
+
+
+def test_top_k_keeps_the_largest_values_with_value_bits_levels_exact_in_fp16():
+    values = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
+    for value_bits in (1, 2, 4):
+        contribution = top_k_contribution(values, 0.02, value_bits)
+        kept = contribution != 0
+        assert 0 < kept.sum() <= 200
+        assert values[kept].abs().min() >= values.abs().topk(200).values.min()
+        assert (contribution[kept].sign() == values[kept].sign()).all()
+        assert contribution.abs().unique().numel() <= 2 ** (value_bits - 1) + 1  # levels and 0
+        assert torch.equal(contribution.half().float(), contribution)
+
+
+def test_small_tensors_go_dense_fp16_with_the_rounding_held_back():
+    delta = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    codec = make_codec("topk")
+    (contribution,) = contributions_over_rounds(codec, [delta])
+    assert torch.equal(contribution, delta.half().float())
+    assert torch.equal(held_back(codec), delta - contribution)
+
+
+def test_a_non_finite_pseudo_gradient_is_not_held_back():
+    codec = make_codec("topk")
+    contributions_over_rounds(codec, [torch.ones(1000)])
+    poisoned = torch.full((1000,), float("nan"))
+    codec.encode_(0, poisoned)
+    assert torch.isfinite(poisoned).all() and torch.isfinite(held_back(codec)).all()
+
+
+def test_fp16_and_8bit_codecs_send_the_pseudo_gradient_unchanged():
+    for kind in ("fp16", "8bit"):
+        codec, delta = make_codec(kind), torch.randn(100)
+        (contribution,) = contributions_over_rounds(codec, [delta])
+        assert torch.equal(contribution, delta)
+
+
+def test_codec_state_round_trips_through_torch_load_weights_only():
+    deltas = [torch.randn(TOP_K_VALUES, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    original, restored = make_codec("topk"), make_codec("topk")
+    contributions_over_rounds(original, deltas[:2])
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)
+    restored.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    assert torch.equal(*(contributions_over_rounds(codec, deltas[2:])[0] for codec in (original, restored)))
+    restored.reset()
+    assert restored.state_dict()["held_back"] == {}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"held_back": [torch.ones(2)]}, {"held_back": {-1: torch.ones(2)}}, {"held_back": {0: torch.tensor([np.inf])}}],
+)
+def test_a_malformed_codec_state_is_refused(state):
+    with pytest.raises(ValueError, match="codec state"):
+        make_codec("topk").load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "flag"),
+    [
+        ("zip", {}, "--pseudo_grad_compression"),
+        ("topk", {"topk_fraction": 0.0}, "--topk_fraction"),
+        ("topk", {"topk_fraction": 1.5}, "--topk_fraction"),
+        ("topk", {"value_bits": 9}, "value_bits"),
+    ],
+)
+def test_bad_codec_settings_name_the_setting(kind, options, flag):
+    with pytest.raises(ValueError, match=flag):
+        make_codec(kind, **options)
+
+
+def test_the_sparse_wire_is_exact_and_a_few_percent_of_dense_fp16_both_ways():
+    """A peer's top-k 1 % part travels as (indices, values); the reply, with the union of three peers' supports,
+    as (bitmap, values); dense input as plain fp16, byte for byte."""
+    generator = torch.Generator().manual_seed(4)
+    parts = [top_k_contribution(torch.randn(TOP_K_VALUES, generator=generator), 0.01, 2) for _ in range(3)]
+    dense_bytes = serialized(parts[0], Float16Compression()).ByteSize()
+    for part in parts:
+        sent = serialized(part)
+        assert sent.ByteSize() <= 0.04 * dense_bytes
+        assert torch.equal(WIRE.extract(sent), part)
+    reply = sum(parts) / 3 - parts[0]
+    answered = serialized(reply)
+    assert answered.ByteSize() <= 0.15 * dense_bytes
+    assert torch.equal(WIRE.extract(answered), reply.half().float())
+    dense = torch.randn(1000)
+    assert serialized(dense) == serialized(dense, Float16Compression())
+
+
+def test_the_8bit_wire_keeps_large_tensors_within_a_few_percent_and_small_ones_in_fp16():
+    wire = make_codec("8bit").wire
+    large, small = torch.randn(TOP_K_VALUES), torch.randn(1000)
+    assert serialized(large, wire).compression == runtime_pb2.UNIFORM_8BIT
+    assert (wire.extract(serialized(large, wire)) - large).norm() < 0.02 * large.norm()
+    assert torch.equal(wire.extract(serialized(small, wire)), small.half().float())
+
+
+def sparse_part(buffer: bytes, size: tuple[int, ...], dtype: str = "float32") -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor(compression=runtime_pb2.FLOAT16, buffer=buffer, size=size, dtype=dtype)
+
+
+def index_form(indices: list[int], values: list[float]) -> bytes:
+    return np.uint32(1).tobytes() + np.array(indices, np.int32).tobytes() + np.array(values, np.float16).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        (sparse_part(index_form([5, 2], [1, 1]), (100,)), "increase strictly"),
+        (sparse_part(index_form([3, 100], [1, 1]), (100,)), "inside the part"),
+        (sparse_part(index_form([0], [1]), (MAX_PART_VALUES + 1,)), "more than"),
+        (sparse_part(index_form([0], [1]), (100,), dtype="object"), "dtype"),
+        (sparse_part(np.uint32(2).tobytes() + np.float16(1).tobytes() + b"\x00" * 13, (100,)), "bitmap marks"),
+        (sparse_part(b"\x07\x00\x00\x00", (100,)), "neither dense fp16 nor a sparse form"),
+    ],
+)
+def test_a_malformed_sparse_part_is_refused(part, message):
+    with pytest.raises(ValueError, match=message):
+        extract_wire_tensor(part)
+    request = averaging_pb2.AveragingData(tensor_part=part)
+    assert as_raw_part(request).tensor_part == part  # left for hivemind to refuse, in its own error handling
+
+
+def test_a_reply_to_an_8bit_part_is_8bit_and_to_an_fp16_part_the_smallest_fp16_form():
+    delta = torch.randn(TOP_K_VALUES)
+    assert encode_reply(delta, runtime_pb2.UNIFORM_8BIT).compression == runtime_pb2.UNIFORM_8BIT
+    sparse = torch.zeros(TOP_K_VALUES)
+    sparse[::1000] = 1.0
+    assert encode_reply(sparse, runtime_pb2.FLOAT16).ByteSize() < 1000
+
+
+class WireAverager(WireAveragerMixin, DecentralizedAverager):
+    """hivemind's averager exchanging ``collab.compression`` wire formats."""
+
+
+@pytest.fixture(scope="module")
+def three_dhts() -> Iterator[list[hivemind.DHT]]:
+    with contextlib.ExitStack() as stack:
+        first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        stack.callback(first.shutdown)
+        dhts = [first]
+        for _ in range(2):
+            dhts.append(
+                hivemind.DHT(
+                    start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
+                )
+            )
+            stack.callback(dhts[-1].shutdown)
+        yield dhts
+
+
+def average_in_one_round(dhts, kind: str, contributions: list[list[torch.Tensor]], weights: list[float]):
+    """One all-reduce among three ``WireAverager``s on ``make_codec(kind).wire``; each peer's tensors after it."""
+    options = dict(
+        prefix=f"wire_{kind}",
+        target_group_size=3,
+        min_group_size=3,
+        min_matchmaking_time=1.0,
+        request_timeout=0.5,
+        part_size_bytes=2**15,  # several parts per tensor, so that every peer reduces some of each
+        compression=make_codec(kind).wire,
+        start=True,
+    )
+    averagers = []
+    try:
+        for dht, tensors in zip(dhts, contributions, strict=True):
+            averagers.append(WireAverager([tensor.clone() for tensor in tensors], dht=dht, **options))
+        when = get_dht_time() + 1.0
+        steps = [
+            averager.step(weight=w, scheduled_time=when, wait=False)
+            for averager, w in zip(averagers, weights, strict=True)
+        ]
+        assert all(len(step.result(timeout=30)) == 3 for step in steps), "no round of three"
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as tensors:
+                results.append([tensor.clone() for tensor in tensors])
+        return results
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def weighted_mean(contributions: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    return [
+        sum(w * tensors[i] for w, tensors in zip(weights, contributions, strict=True)) / sum(weights) for i in range(2)
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_an_all_reduce_of_top_k_contributions_gives_their_mean_within_fp16(three_dhts):
+    generator, weights = torch.Generator().manual_seed(5), [1.0, 2.0, 3.0]
+    contributions = []
+    for _ in range(3):
+        codec, tensors = make_codec("topk"), [torch.randn(2 * TOP_K_VALUES, generator=generator), torch.randn(1000)]
+        for index, tensor in enumerate(tensors):
+            codec.encode_(index, tensor)
+        contributions.append(tensors)
+    expected = weighted_mean(contributions, weights)
+    for tensors in average_in_one_round(three_dhts, "topk", contributions, weights):
+        for result, mean in zip(tensors, expected, strict=True):
+            assert (result - mean).abs().max() <= 2**-10 * mean.abs().max()
+            assert not result[mean == 0].any()  # nothing outside the union of the contributions' supports
+
+
+@pytest.mark.timeout(60)
+def test_an_all_reduce_on_the_8bit_wire_gives_the_mean_within_a_few_percent(three_dhts):
+    generator, weights = torch.Generator().manual_seed(6), [1.0, 1.0, 2.0]
+    contributions = [[torch.randn(2 * TOP_K_VALUES, generator=generator), torch.randn(1000)] for _ in range(3)]
+    expected = weighted_mean(contributions, weights)
+    for tensors in average_in_one_round(three_dhts, "8bit", contributions, weights):
+        assert (tensors[0] - expected[0]).norm() < 0.03 * expected[0].norm()
+        assert (tensors[1] - expected[1]).abs().max() <= 2**-9 * expected[1].abs().max()
+
+
+def test_every_codec_kind_is_built():
+    assert {make_codec(kind).kind for kind in CODEC_KINDS} == set(CODEC_KINDS)
