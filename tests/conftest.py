@@ -25,6 +25,34 @@ def sample_data() -> Path:
     return SAMPLE
 
 
+@pytest.fixture(scope="module")
+def model():
+    """A tiny BERT masked LM with the same weights in every module (seed 0): what the checkpoint tests save."""
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from trainer.model import tiny_bert_config
+
+    torch.manual_seed(0)
+    return AutoModelForMaskedLM.from_config(tiny_bert_config(64))
+
+
+def optimizer_state(epoch: int) -> dict:
+    """The smallest valid ``optimizer.pt`` content: plain data at local epoch ``epoch``."""
+    return {"optimizer": {"state": {"local_epoch": epoch}, "param_groups": []}, "scheduler": None}
+
+
+def metrics_record(step: int = 1, loss=8.0, mini_steps=4, samples=64, sps=10.0) -> dict:
+    """A peer's LocalMetrics record as it arrives from the DHT (a plain dict)."""
+    return {
+        "step": step,
+        "samples_per_second": sps,
+        "samples_accumulated": samples,
+        "loss": loss,
+        "mini_steps": mini_steps,
+    }
+
+
 @dataclass
 class Request:
     path: str

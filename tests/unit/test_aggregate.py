@@ -8,18 +8,9 @@ from hypothesis import strategies as st
 
 from collab.schema import MAX_STEP
 from monitor.aggregate import aggregate, far_ahead, format_line, honest_step, live_metrics
+from tests.conftest import metrics_record
 
 NOW = 1000.0
-
-
-def record(step=1, loss=8.0, mini_steps=4, samples=64, sps=10.0):
-    return {
-        "step": step,
-        "samples_per_second": sps,
-        "samples_accumulated": samples,
-        "loss": loss,
-        "mini_steps": mini_steps,
-    }
 
 
 def test_no_peers():
@@ -29,8 +20,8 @@ def test_no_peers():
 def test_loss_is_the_mean_over_all_mini_steps():
     metrics = aggregate(
         {
-            b"a": (record(step=3, loss=8.0, mini_steps=4), NOW + 60),
-            b"b": (record(step=4, loss=3.0, mini_steps=1, samples=16, sps=2.5), NOW + 60),
+            b"a": (metrics_record(step=3, loss=8.0, mini_steps=4), NOW + 60),
+            b"b": (metrics_record(step=4, loss=3.0, mini_steps=1, samples=16, sps=2.5), NOW + 60),
         },
         NOW,
     )
@@ -41,22 +32,29 @@ def test_loss_is_the_mean_over_all_mini_steps():
 
 
 def test_zero_mini_steps_gives_no_loss_instead_of_dividing_by_zero():
-    metrics = aggregate({b"a": (record(loss=0.0, mini_steps=0), NOW + 1)}, NOW)
+    metrics = aggregate({b"a": (metrics_record(loss=0.0, mini_steps=0), NOW + 1)}, NOW)
     assert metrics.loss is None and metrics.alive_peers == 1
     assert "loss n/a" in format_line(metrics.to_dict())
 
 
 def test_expired_records_are_not_alive():
-    metrics = aggregate({b"a": (record(), NOW + 1), b"old": (record(step=9), NOW), b"older": (record(), NOW - 5)}, NOW)
+    metrics = aggregate(
+        {
+            b"a": (metrics_record(), NOW + 1),
+            b"old": (metrics_record(step=9), NOW),
+            b"older": (metrics_record(), NOW - 5),
+        },
+        NOW,
+    )
     assert (metrics.alive_peers, metrics.step) == (1, 1)
 
 
 def test_a_peer_that_stopped_publishing_stops_counting_after_step_lag_epochs():
     # killed at step 4, its record lives for minutes: it must not keep its loss and samples/s in the sums
     records = {
-        b"dead": (record(step=4, loss=80.0, mini_steps=4, samples=64, sps=25.0), NOW + 500),
-        b"a": (record(step=7, loss=6.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
-        b"b": (record(step=6, loss=4.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"dead": (metrics_record(step=4, loss=80.0, mini_steps=4, samples=64, sps=25.0), NOW + 500),
+        b"a": (metrics_record(step=7, loss=6.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"b": (metrics_record(step=6, loss=4.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
     }
     metrics = aggregate(records, NOW, step_lag=2)
     assert (metrics.step, metrics.alive_peers, metrics.samples, metrics.samples_per_second) == (7, 2, 64, 20.0)
@@ -67,8 +65,8 @@ def test_a_peer_that_stopped_publishing_stops_counting_after_step_lag_epochs():
 
 def test_each_peer_counts_once():
     # the DHT keys records by the peer's public key: a peer that publishes again replaces its own record
-    records = {b"a": (record(step=1), NOW + 10)}
-    records[b"a"] = (record(step=2), NOW + 20)
+    records = {b"a": (metrics_record(step=1), NOW + 10)}
+    records[b"a"] = (metrics_record(step=2), NOW + 20)
     assert aggregate(records, NOW).alive_peers == 1
 
 
@@ -96,13 +94,13 @@ def test_the_step_is_the_honest_majority_s(steps, step_lag, expected):
 
 def test_liars_far_ahead_move_neither_the_step_nor_the_sums():
     honest = {
-        b"a": (record(step=7, loss=6.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
-        b"b": (record(step=6, loss=4.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
-        b"c": (record(step=7, loss=2.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"a": (metrics_record(step=7, loss=6.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"b": (metrics_record(step=6, loss=4.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
+        b"c": (metrics_record(step=7, loss=2.0, mini_steps=2, samples=32, sps=10.0), NOW + 500),
     }
     liars = {
-        b"liar": (record(step=2**39, loss=1e6, mini_steps=1, samples=2**39, sps=1e7), NOW + 500),
-        b"liar2": (record(step=10, loss=0.0, mini_steps=10**7, samples=1, sps=1e7), NOW + 500),
+        b"liar": (metrics_record(step=2**39, loss=1e6, mini_steps=1, samples=2**39, sps=1e7), NOW + 500),
+        b"liar2": (metrics_record(step=10, loss=0.0, mini_steps=10**7, samples=1, sps=1e7), NOW + 500),
     }
     expected = aggregate(honest, NOW, step_lag=2)
     assert (expected.step, expected.alive_peers, expected.samples, expected.samples_per_second) == (7, 3, 96, 30.0)
@@ -114,10 +112,10 @@ def test_liars_far_ahead_move_neither_the_step_nor_the_sums():
 @pytest.mark.parametrize(
     "bad",
     [
-        record(loss=math.nan),
-        record(loss=math.inf),
-        record(sps=-1.0),
-        {**record(), "extra": 1},
+        metrics_record(loss=math.nan),
+        metrics_record(loss=math.inf),
+        metrics_record(sps=-1.0),
+        {**metrics_record(), "extra": 1},
         {"step": "7"},
         None,
         [1, 2],
@@ -125,17 +123,21 @@ def test_liars_far_ahead_move_neither_the_step_nor_the_sums():
     ],
 )
 def test_malformed_and_non_finite_records_are_ignored(bad):
-    metrics = aggregate({b"good": (record(step=2), NOW + 10), b"bad": (bad, NOW + 10)}, NOW)
+    metrics = aggregate({b"good": (metrics_record(step=2), NOW + 10), b"bad": (bad, NOW + 10)}, NOW)
     assert (metrics.alive_peers, metrics.step, metrics.loss) == (1, 2, 2.0)
 
 
 def test_malformed_expiration_is_ignored():
-    assert aggregate({b"a": (record(), None), b"b": "not a pair", b"c": (record(), "soon")}, NOW) is None
+    assert (
+        aggregate({b"a": (metrics_record(), None), b"b": "not a pair", b"c": (metrics_record(), "soon")}, NOW) is None
+    )
 
 
 def test_console_line_format():
     line = format_line(
-        aggregate({b"a": (record(step=12, loss=13.648, mini_steps=4, samples=1024, sps=88.1), NOW + 1)}, NOW).to_dict()
+        aggregate(
+            {b"a": (metrics_record(step=12, loss=13.648, mini_steps=4, samples=1024, sps=88.1), NOW + 1)}, NOW
+        ).to_dict()
     )
     assert line == "step 12  loss 3.412  peers 1  samples 1024  samples/s 88.1"
 
@@ -190,9 +192,14 @@ def test_any_records_never_crash_and_only_valid_ones_count(raw):
     st.lists(st.integers(0, MAX_STEP), max_size=6),
 )
 def test_as_many_liars_far_ahead_as_honest_peers_change_nothing(top, honest_peers, liar_steps):
-    honest = {f"h{i}".encode(): (record(step=top - i % 3), NOW + 60) for i in range(honest_peers)}  # 2 epochs apart
+    honest = {
+        f"h{i}".encode(): (metrics_record(step=top - i % 3), NOW + 60) for i in range(honest_peers)
+    }  # 2 epochs apart
     liars = {
-        f"l{i}".encode(): (record(step=max(step, top + 3), loss=1e6, mini_steps=1, samples=2**39, sps=1e7), NOW + 60)
+        f"l{i}".encode(): (
+            metrics_record(step=max(step, top + 3), loss=1e6, mini_steps=1, samples=2**39, sps=1e7),
+            NOW + 60,
+        )
         for i, step in enumerate(liar_steps[:honest_peers])
     }
     assert aggregate({**honest, **liars}, NOW, step_lag=2) == aggregate(honest, NOW, step_lag=2)

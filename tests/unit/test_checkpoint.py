@@ -24,19 +24,9 @@ from collab.checkpoint import (
     write_checkpoint,
 )
 from collab.errors import CheckpointError
-from trainer.model import tiny_bert_config
+from tests.conftest import optimizer_state
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return AutoModelForMaskedLM.from_config(tiny_bert_config(64))
-
-
-def optimizer_state(epoch):
-    return {"optimizer": {"state": {"local_epoch": epoch}, "param_groups": []}, "scheduler": None}
 
 
 def test_round_trip(tmp_path, model):

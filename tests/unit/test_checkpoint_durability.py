@@ -11,24 +11,10 @@ import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
-import torch
-from transformers import AutoModelForMaskedLM
-
 import collab.checkpoint
 from collab.checkpoint import Manifest, list_checkpoints, read_manifest, remove_partial_saves, write_checkpoint
 from monitor.upload import FolderTarget, HttpTarget, Uploader, write_archive
-from trainer.model import tiny_bert_config
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return AutoModelForMaskedLM.from_config(tiny_bert_config(64))
-
-
-def plain_state(epoch: int) -> dict:
-    return {"optimizer": {"state": {"local_epoch": epoch}, "param_groups": []}, "scheduler": None}
+from tests.conftest import optimizer_state
 
 
 def test_folder_upload_removes_old_copies_only_after_the_new_one_is_on_disk(tmp_path, model, monkeypatch):
@@ -36,8 +22,8 @@ def test_folder_upload_removes_old_copies_only_after_the_new_one_is_on_disk(tmp_
     the parent after it, and only then is the oldest copy deleted."""
     repo, backup = tmp_path / "repo", tmp_path / "backup"
     for step in (1, 2):
-        write_checkpoint(backup, step, model, None, plain_state(step))
-    new = write_checkpoint(repo, 3, model, None, plain_state(3))
+        write_checkpoint(backup, step, model, None, optimizer_state(step))
+    new = write_checkpoint(repo, 3, model, None, optimizer_state(3))
     events = []
     real_fsync, real_rmtree = os.fsync, shutil.rmtree
 
@@ -66,9 +52,9 @@ def test_folder_upload_removes_old_copies_only_after_the_new_one_is_on_disk(tmp_
 
 def test_an_old_copy_cut_off_between_the_two_renames_is_put_back(tmp_path, model):
     """A replacement of step 4 that died after moving the old copy aside and before moving the new one in."""
-    write_checkpoint(tmp_path, 4, model, None, plain_state(4))
+    write_checkpoint(tmp_path, 4, model, None, optimizer_state(4))
     (tmp_path / "4").rename(tmp_path / ".old-4-123")
-    write_checkpoint(tmp_path / "other", 4, model, None, plain_state(4))
+    write_checkpoint(tmp_path / "other", 4, model, None, optimizer_state(4))
     (tmp_path / "other" / "4").rename(tmp_path / ".tmp-4-123")
     assert [p.name for p in remove_partial_saves(tmp_path)] == [".tmp-4-123"]
     assert [m.step for _, m in list_checkpoints(tmp_path)[0]] == [4]
@@ -107,7 +93,7 @@ def disk_server(body_path: Path):
 def test_http_upload_streams_the_archive_from_disk(tmp_path, model):
     """A 24 MiB checkpoint is posted with a few MiB of Python memory; the web app gets the archive and its sha256."""
     folder = tmp_path / "repo" / "5"
-    write_checkpoint(tmp_path / "repo", 5, model, None, plain_state(5), loss=2.5)
+    write_checkpoint(tmp_path / "repo", 5, model, None, optimizer_state(5), loss=2.5)
     (folder / "blob.bin").write_bytes(os.urandom(24 << 20))  # incompressible: the archive is as large
     body = tmp_path / "body.bin"
     with disk_server(body) as url:
@@ -134,7 +120,7 @@ def test_the_uploader_hashes_each_checkpoint_once(tmp_path, model, monkeypatch):
     """Every interval the uploader looks for the newest checkpoint: it hashes it once, and never the older ones."""
     repo = tmp_path / "repo"
     for step in (1, 2, 3):
-        write_checkpoint(repo, step, model, None, plain_state(step))
+        write_checkpoint(repo, step, model, None, optimizer_state(step))
     hashed = []
     real_sha256 = collab.checkpoint.sha256_file
     monkeypatch.setattr(collab.checkpoint, "sha256_file", lambda path: hashed.append(Path(path)) or real_sha256(path))

@@ -31,6 +31,7 @@ from collab.checkpoint import (
 )
 from collab.errors import CheckpointError
 from collab.optim import build_optimizer, lamb_factory, parameter_groups, scheduler_factory
+from tests.conftest import optimizer_state
 from trainer.model import tiny_bert_config
 from trainer.predict import main as predict_main
 
@@ -45,16 +46,6 @@ class ShellPayload:
 
     def __reduce__(self):
         return os.system, (self.command,)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return AutoModelForMaskedLM.from_config(tiny_bert_config(64))
-
-
-def plain_state(epoch: int) -> dict:
-    return {"optimizer": {"state": {"local_epoch": epoch}, "param_groups": []}, "scheduler": None}
 
 
 def rewrite_manifest(folder: Path, files: dict[str, str]) -> None:
@@ -103,7 +94,7 @@ def test_pickled_model_weights_are_refused_by_predict(tmp_path, model, capsys):
 
 
 def test_predict_verifies_a_monitor_checkpoint_against_its_manifest(tmp_path, model, capsys):
-    folder = write_checkpoint(tmp_path, 3, model, None, plain_state(3))
+    folder = write_checkpoint(tmp_path, 3, model, None, optimizer_state(3))
     (folder / "extra.json").write_text("{}")
     assert predict_main(["--checkpoint", str(folder), "--task", "seq-cls", "--text", "x"]) == 2
     assert capsys.readouterr().err.strip().endswith(f"{folder}: extra.json is not listed in {MANIFEST} (refused)")
@@ -123,7 +114,7 @@ def test_predict_verifies_a_monitor_checkpoint_against_its_manifest(tmp_path, mo
     ],
 )
 def test_a_manifest_must_list_exactly_the_plain_files_of_its_folder(tmp_path, model, damage, message):
-    folder = write_checkpoint(tmp_path / "repo", 2, model, None, plain_state(2))
+    folder = write_checkpoint(tmp_path / "repo", 2, model, None, optimizer_state(2))
     files = json.loads((folder / MANIFEST).read_text())["files"]
     outside = tmp_path / "outside.txt"
     outside.write_text("secret")
@@ -247,7 +238,7 @@ def test_lamb_and_scheduler_state_round_trip_weights_only_and_resume_the_same(tm
 
 
 def test_resume_accepts_the_web_apps_archive_and_removes_what_it_unpacked(tmp_path, model):
-    folder = write_checkpoint(tmp_path / "repo", 8, model, None, plain_state(8))
+    folder = write_checkpoint(tmp_path / "repo", 8, model, None, optimizer_state(8))
     archive = tmp_path / "checkpoint-8.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(folder, arcname="8")

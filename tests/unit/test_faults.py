@@ -3,13 +3,11 @@
 import logging
 
 import pytest
-import torch
-from transformers import AutoModelForMaskedLM
 
 import collab.checkpoint
 from collab.checkpoint import read_manifest, write_checkpoint
+from tests.conftest import optimizer_state
 from tests.faults import parse_faults, pause_checkpoint_writes, split_faults_flag
-from trainer.model import tiny_bert_config
 
 
 def test_spec_is_parsed_and_each_fault_fires_once():
@@ -41,14 +39,12 @@ def test_the_wrapper_flag_comes_first():
         split_faults_flag(["--experiment_prefix", "x"])
 
 
-def test_only_the_configured_write_pauses_between_its_files_and_its_manifest(tmp_path, monkeypatch, caplog):
+def test_only_the_configured_write_pauses_between_its_files_and_its_manifest(tmp_path, model, monkeypatch, caplog):
     monkeypatch.setattr(collab.checkpoint, "stage_checkpoint_files", collab.checkpoint.stage_checkpoint_files)
     pause_checkpoint_writes(parse_faults("pause_checkpoint_write@2=0"))
-    torch.manual_seed(0)
-    model = AutoModelForMaskedLM.from_config(tiny_bert_config(64))
     with caplog.at_level(logging.WARNING, logger="tests.faults"):
         for step in (1, 2, 3):
-            write_checkpoint(tmp_path, step, model, None, {"optimizer": None})
+            write_checkpoint(tmp_path, step, model, None, optimizer_state(step))
     paused = [
         record.getMessage() for record in caplog.records if "pausing the checkpoint write" in record.getMessage()
     ]

@@ -15,21 +15,12 @@ from collab.schema import metrics_key
 from monitor.checkpoints import CheckpointSaver, default_epoch_tolerance, epoch_in_reach, set_aside_checkpoints_past
 from monitor.run import MonitorState, last_step_within_reach, refresh
 from monitor.sinks import JsonLinesSink, last_step_in
+from tests.conftest import metrics_record
 from trainer.local import wait_until
 from trainer.model import tiny_bert_config
 
 PREFIX = "liar_test"
 LIAR_STEP = 2**39
-
-
-def record(step, loss=8.0, mini_steps=4, samples=64, sps=10.0):
-    return {
-        "step": step,
-        "samples_per_second": sps,
-        "samples_accumulated": samples,
-        "loss": loss,
-        "mini_steps": mini_steps,
-    }
 
 
 def test_a_last_step_far_past_the_swarm_s_is_forgotten():
@@ -54,11 +45,11 @@ def test_lines_go_on_at_the_honest_step_with_a_liar_in_the_dht_and_a_liar_s_step
         def publish(peer: bytes, value: dict) -> None:
             assert dht.store(metrics_key(PREFIX), value, get_dht_time() + 60, subkey=peer)
 
-        publish(b"liar", record(LIAR_STEP, loss=0.0, samples=2**39, sps=1e7))
+        publish(b"liar", metrics_record(LIAR_STEP, loss=0.0, samples=2**39, sps=1e7))
         with caplog.at_level(logging.WARNING, logger="monitor.run"):
             for step in (7, 8):
                 for peer in (b"a", b"b", b"c"):
-                    publish(peer, record(step))
+                    publish(peer, metrics_record(step))
                 refresh(dht, PREFIX, state, [sink], saver=None, step_lag=2)
     finally:
         sink.close()
