@@ -5,91 +5,43 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from trainer.local import wait_until
+from trainer.local import LocalProcess, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-class Child:
-    """``python -m MODULE ARGS`` (optionally inside a network namespace) logging to a file, killed after a deadline."""
-
-    def __init__(
-        self,
-        module: str,
-        args: Sequence[str],
-        log_path: Path,
-        timeout: float,
-        env: dict | None = None,
-        netns: str | None = None,
-    ):
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.deadline = time.monotonic() + timeout
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", module, *map(str, args)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            start_new_session=True,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def running(self) -> bool:
-        if self.process.poll() is None and time.monotonic() > self.deadline:
-            self.kill()
-        return self.process.poll() is None
-
-    def wait(self) -> int:
-        """The exit code, killing the child if it runs past its deadline."""
-        try:
-            return self.process.wait(max(0.0, self.deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.process.wait(10)
-
-    def terminate(self, grace: float = 30.0) -> int | None:
-        """SIGTERM to the whole process group (a clean stop), SIGKILL after ``grace`` seconds."""
-        if self.process.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.process.poll()
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(10)
-
-    def _signal(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signum)
-
-    def close(self) -> None:
-        self.terminate(grace=10)
-        self._log.close()
+def Child(  # noqa: N802
+    module: str,
+    args: Sequence,
+    log_path: Path,
+    timeout: float,
+    env: dict | None = None,
+    netns: str | None = None,
+    events_path: Path | None = None,
+) -> LocalProcess:
+    """``python -m MODULE ARGS`` (optionally inside a network namespace) logging to a file, killed after ``timeout``
+    seconds; with ``events_path``, given ``--events_path`` too."""
+    return LocalProcess(
+        args,
+        log_path,
+        {"PYTHONUNBUFFERED": "1", **(env or {})},
+        prefix=["ip", "netns", "exec", netns] if netns else [],
+        module=module,
+        events_path=events_path,
+        timeout=timeout,
+    )
 
 
 @contextlib.contextmanager
-def children() -> Iterator[list[Child]]:
+def children() -> Iterator[list[LocalProcess]]:
     """A list to put children in; every one still running is stopped when the block ends, however it ends."""
-    started: list[Child] = []
+    started: list[LocalProcess] = []
     try:
         yield started
     finally:
@@ -97,7 +49,7 @@ def children() -> Iterator[list[Child]]:
             child.close()
 
 
-def wait_for(condition, timeout: float, what: str, poll: float = 0.5, alive: Sequence[Child] = ()):
+def wait_for(condition, timeout: float, what: str, poll: float = 0.5, alive: Sequence[LocalProcess] = ()):
     """``wait_until(condition)``, with a RuntimeError as soon as one of ``alive`` fails before it holds."""
 
     def check():

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.cpu import CpuSampler
 from bench.formulas import ratio, steady_window, time_split, total_samples_per_second
 from bench.procs import ONE_THREAD, Child, children, read_json, read_json_lines, wait_for
-from trainer.local import AVERAGED, JOIN_LINE
+from trainer.local import events_path_for
 
 # The seed's hivemind.Optimizer settings, spelled out so the anchor stays put when our defaults move.
 SEED_FLAGS = [
@@ -119,22 +119,25 @@ def collab_pair(
     outputs = [log_dir / f"{name}_{i}_model" for i in range(PAIR)]
     common = ["--experiment_prefix", prefix, *flags] + (["--max_steps", max_steps] if max_steps else [])
     with children() as started:
+        logs = [log_dir / f"{name}_{i}.log" for i in range(PAIR)]
         first = Child(
             "bench.probe",
             [steps[0], *common, "--output_dir", outputs[0]],
-            log_dir / f"{name}_0.log",
+            logs[0],
             timeout,
             env=ONE_THREAD,
+            events_path=events_path_for(logs[0]),
         )
         started.append(first)
-        join = wait_for(lambda: JOIN_LINE.search(first.log()), 120, "the first peer's address", alive=started)
+        join = wait_for(lambda: first.events("joined"), 120, "the first peer's address", alive=started)
         started.append(
             Child(
                 "bench.probe",
-                [steps[1], *common, *join.group(1).split(), "--output_dir", outputs[1]],
-                log_dir / f"{name}_1.log",
+                [steps[1], *common, "--initial_peers", *join[0]["address"], "--output_dir", outputs[1]],
+                logs[1],
                 timeout,
                 env=ONE_THREAD,
+                events_path=events_path_for(logs[1]),
             )
         )
 
@@ -158,7 +161,7 @@ def collab_pair(
             sampler.stop()
     peers_steps = records()
     window = steady_window(peers_steps, 1)
-    rounds = [len(AVERAGED.findall(child.log())) for child in started]
+    rounds = [len(child.averaging_group_sizes()) for child in started]
     return {
         "samples_per_second": total_samples_per_second(peers_steps, 1),
         "time_split": time_split(peers_steps, 1),

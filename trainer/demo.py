@@ -1,6 +1,7 @@
 """`make demo`: a monitor and two peers on 127.0.0.1 train the tiny model together for a few global steps.
 
-The monitor starts first (as on real machines) and the peers join through the address it logs. Progress comes
+The monitor starts first (as on real machines) and the peers join through the address in its ``joined`` event
+(docs/EVENTS.md). Progress comes
 from the monitor's metrics file; the demo ends by loading the monitor's last checkpoint with
 ``AutoModelForMaskedLM.from_pretrained`` and printing its loss on held-out sample text next to an untrained
 model's. Logs, metrics and checkpoints go to --output_dir.

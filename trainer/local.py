@@ -1,7 +1,10 @@
-"""Run trainers and monitors as real processes on this machine: used by `make demo` and the integration tests."""
+"""The one launcher of child processes on this machine: trainers and monitors for `make demo` and the integration
+tests, and any ``python -m MODULE`` for the benchmarks (bench.procs). A trainer or monitor started here writes its
+events (docs/EVENTS.md) next to its log, and what happened is read from them, never from log wording."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,14 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from collab.events import read_events
+
 ROOT = Path(__file__).resolve().parent.parent
-JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")
-AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
-STEP_BEGUN = re.compile(r"Beginning optimizer step")  # hivemind's line at each global step, as its round begins
-EPOCH_REPORT = re.compile(r"epoch (\d+) \| loss")  # trainer.loop.format_report's line at each global epoch
+JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")  # for bench.wan; read the ``joined`` event instead
 
 
 def free_port() -> int:
@@ -37,8 +39,19 @@ def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def events_path_for(log_path: Path) -> Path:
+    """Where a process logging to ``log_path`` writes its events: ``A.log`` -> ``A.events.jsonl``."""
+    return Path(log_path).with_suffix(".events.jsonl")
+
+
 class LocalProcess:
-    """One ``run_trainer.py`` (or ``script``) process whose output goes to a log file."""
+    """``python SCRIPT ARGV`` (or ``python -m MODULE ARGV``) in its own session, its output going to ``log_path``.
+
+    ``prefix`` runs it through another command, e.g. ``("ip", "netns", "exec", "ns1")``. With ``events_path`` the
+    program gets ``--events_path`` (a file left there earlier is deleted first, as the log is truncated) and
+    ``events``/``wait_for_event`` read that file. With ``timeout`` the process
+    has a deadline: ``running`` and ``wait()`` kill it once it is past.
+    """
 
     def __init__(
         self,
@@ -47,13 +60,21 @@ class LocalProcess:
         env: dict | None = None,
         script: str = "run_trainer.py",
         prefix: Sequence[str] = (),
+        module: str | None = None,
+        events_path: Path | None = None,
+        timeout: float | None = None,
     ):
-        """``prefix`` runs the program through another command, e.g. ``("ip", "netns", "exec", "ns1")``."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.events_path = None if events_path is None else Path(events_path)
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        program = ["-m", module] if module is not None else [str(ROOT / script)]
+        own_flags = [] if self.events_path is None else ["--events_path", str(self.events_path)]
+        if self.events_path is not None:
+            self.events_path.unlink(missing_ok=True)  # programs append: a file left by an earlier run is not theirs
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [*prefix, sys.executable, str(ROOT / script), *argv],
+            [*prefix, sys.executable, *program, *map(str, argv), *own_flags],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -64,19 +85,32 @@ class LocalProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def events(self, event: str | None = None) -> list[dict]:
+        """The events this process wrote so far (all, or those named ``event``), oldest first."""
+        return [] if self.events_path is None else read_events(self.events_path, event)
+
+    def wait_for_event(
+        self, event: str, timeout: float, where: Callable[[dict], bool] = lambda record: True, poll: float = 0.2
+    ) -> dict:
+        """The first ``event`` for which ``where`` holds, waiting at most ``timeout`` seconds; RuntimeError as soon
+        as the process exits without it."""
+
+        def found():
+            matches = [record for record in self.events(event) if where(record)]
+            if not matches and self.process.poll() is not None:
+                matches = [record for record in self.events(event) if where(record)]  # written just before exiting
+                if not matches:
+                    raise RuntimeError(
+                        f"{self.log_path.stem} exited with code {self.process.returncode} before its {event!r} event; "
+                        f"see {self.log_path}"
+                    )
+            return matches[0] if matches else None
+
+        return wait_until(found, timeout, f"{self.log_path.stem}'s {event!r} event (see {self.log_path})", poll)
+
     def join_flags(self, timeout: float) -> list[str]:
-        """The ``--initial_peers ...`` flags this peer logged, waiting at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = JOIN_LINE.search(self.log())
-            if match:
-                return match.group(1).split()
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.log_path.stem} exited with code {self.process.returncode}; see {self.log_path}"
-                )
-            time.sleep(0.2)
-        raise TimeoutError(f"no --initial_peers line logged within {timeout:.0f} s; see {self.log_path}")
+        """The ``--initial_peers ...`` flags that join this peer, waiting at most ``timeout`` seconds."""
+        return ["--initial_peers", *self.wait_for_event("joined", timeout)["address"]]
 
     def tracebacks_from_our_code(self) -> list[str]:
         """Tracebacks in the log that pass through this project's code (hivemind logs its own network errors)."""
@@ -85,16 +119,29 @@ class LocalProcess:
         return [chunk for chunk in chunks if ours.search(chunk.split("\n\n")[0])]
 
     def averaging_group_sizes(self) -> list[int]:
-        """Group size of every successful gradient-averaging round, from hivemind's own log lines."""
-        return [int(size) for size in AVERAGED.findall(self.log())]
+        """Group size of every completed gradient-averaging round."""
+        return [record["group_size"] for record in self.events("averaged") if record["kind"] == "gradients"]
 
     def latest_epoch(self) -> int:
         """The last global epoch this peer reported, -1 before its first."""
-        epochs = EPOCH_REPORT.findall(self.log())
-        return int(epochs[-1]) if epochs else -1
+        epochs = self.events("epoch")
+        return epochs[-1]["epoch"] if epochs else -1
 
-    def wait(self, timeout: float) -> int:
+    def running(self) -> bool:
+        """Whether the process runs, killing it first if it is past its deadline."""
+        if self.process.poll() is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.kill()
+        return self.process.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code. With ``timeout``, subprocess.TimeoutExpired after that many seconds; without, the process
+        is killed at its deadline (if it has one)."""
         try:
+            if timeout is None and self.deadline is not None:
+                try:
+                    return self.process.wait(max(0.0, self.deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.kill()
             return self.process.wait(timeout)
         finally:
             if self.process.returncode is not None:
@@ -107,7 +154,7 @@ class LocalProcess:
         return self.process.wait(30)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (clean shutdown), then SIGKILL if it is still running after ``timeout`` seconds."""
+        """SIGTERM to the process (a clean shutdown), then SIGKILL to its group if it still runs after ``timeout``."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -118,6 +165,30 @@ class LocalProcess:
         self._log.close()
         return self.process.returncode
 
+    def terminate(self, grace: float = 30.0) -> int | None:
+        """SIGTERM to the whole process group (a clean stop), SIGKILL after ``grace`` seconds."""
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.poll()
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+
+    def close(self) -> None:
+        """``terminate`` with 10 s of grace, and close the log."""
+        self.terminate(grace=10)
+        self._log.close()
+
+    def _signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
 
 def PeerProcess(  # noqa: N802
     argv: Sequence[str],
@@ -126,12 +197,13 @@ def PeerProcess(  # noqa: N802
     prefix: Sequence[str] = (),
     script: str = "run_trainer.py",
 ) -> LocalProcess:
-    """A ``run_trainer.py`` process, or ``script``: a wrapper such as tests/faulty_peer.py that runs it."""
-    return LocalProcess(argv, log_path, env, script=script, prefix=prefix)
+    """A ``run_trainer.py`` process (or ``script``, a wrapper that runs it) writing its events next to its log."""
+    return LocalProcess(argv, log_path, env, script, prefix, events_path=events_path_for(log_path))
 
 
 def MonitorProcess(  # noqa: N802
     argv: Sequence[str], log_path: Path, env: dict | None = None, script: str = "run_training_monitor.py"
 ) -> LocalProcess:
-    """A ``run_training_monitor.py`` process, or ``script``: a wrapper such as tests/faulty_monitor.py that runs it."""
-    return LocalProcess(argv, log_path, env, script=script)
+    """A ``run_training_monitor.py`` process (or ``script``, a wrapper that runs it) writing its events next to its
+    log."""
+    return LocalProcess(argv, log_path, env, script, events_path=events_path_for(log_path))

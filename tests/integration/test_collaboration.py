@@ -38,7 +38,7 @@ from collab.dht import start_dht
 from collab.schema import LocalMetrics, make_validators, metrics_key, read_metrics
 from tests.conftest import RecordingServer, serve_recording
 from tests.integration.agreement import assert_parameters_agree, saved_parameters
-from trainer.local import STEP_BEGUN, LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
+from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -126,7 +126,7 @@ def current_step(records) -> int:
 
 
 def averaging_starts(peer: LocalProcess) -> int:
-    return len(STEP_BEGUN.findall(peer.log()))
+    return len(peer.events("step_begun"))
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +224,7 @@ def collaboration(tmp_path_factory, sample_data):
                     "C" in peers
                     and "C2" not in peers
                     and len(monitors) == 2
-                    and re.search(r"step \d+  loss", monitors[1].log())
+                    and monitors[1].events("step_reported")
                     and len(peers["C"].averaging_group_sizes()) >= 2
                 )
                 if ready_to_kill_c:
@@ -269,16 +269,45 @@ def lines_after_c_expired(collaboration: Collaboration) -> list[dict]:
     return [line for line in collaboration.metrics_lines() if line["time"] > expired_at]
 
 
-def final_epoch(log: str) -> int:
-    match = re.search(r"Stopped at global epoch (\d+)", log)
-    assert match, "peer did not log its final epoch"
-    return int(match.group(1))
+def final_epoch(peer: LocalProcess) -> int:
+    shutdown = peer.events("shutdown")
+    assert shutdown and shutdown[-1]["saved"], "peer did not save its model at its final epoch"
+    return shutdown[-1]["epoch"]
+
+
+def start_epoch(peer: LocalProcess) -> int | None:
+    started = peer.events("started")
+    return started[0]["epoch"] if started else None
 
 
 def test_peers_reach_their_max_steps_and_exit_cleanly(collaboration):
     assert collaboration.exit_codes == {"A": 0, "B": 0, "C": -signal.SIGKILL, "C2": 0}
-    assert final_epoch(collaboration.peers["A"].log()) >= MAX_STEPS
-    assert final_epoch(collaboration.peers["B"].log()) == MAX_STEPS
+    assert final_epoch(collaboration.peers["A"]) >= MAX_STEPS
+    assert final_epoch(collaboration.peers["B"]) == MAX_STEPS
+
+
+def test_events_tell_what_each_peer_did(collaboration):
+    """The events files (docs/EVENTS.md) of a trainer and of the monitor, as an operator's tool reads them."""
+    a = collaboration.peers["A"]
+    names = [record["event"] for record in a.events()]
+    assert names[0] == "joined" and a.events("joined")[0]["address"][0].startswith("/ip4/127.0.0.1/tcp/")
+    assert names[-1] == "shutdown" and a.events("shutdown")[-1]["saved"] is True
+    epochs = [record["epoch"] for record in a.events("epoch")]
+    assert epochs == sorted(set(epochs)) and epochs[-1] >= MAX_STEPS
+    rounds = a.events("averaged")
+    assert any(record["group_size"] > 1 for record in rounds)
+    assert {record["kind"] for record in rounds} == {"gradients", "parameters"}
+    assert all(
+        r["bytes_sent"] > 0 and r["bytes_received"] > 0 and r["seconds"] >= 0 for r in rounds if r["group_size"] > 1
+    )
+    assert [r["rollbacks"] for r in a.events("rollback")] == [1]
+    loaded = collaboration.peers["C"].events("state_loaded")
+    assert loaded and loaded[0]["epoch"] >= 2 and loaded[0]["bytes"] > 0
+    assert collaboration.peers["C"].events()[-1]["event"] != "shutdown", "a peer killed by SIGKILL said goodbye"
+    reported = [record["step"] for monitor in collaboration.monitors for record in monitor.events("step_reported")]
+    assert reported == [line["step"] for line in collaboration.metrics_lines()]
+    saved = [record["step"] for monitor in collaboration.monitors for record in monitor.events("checkpoint_saved")]
+    assert saved and saved == sorted(saved)
 
 
 def test_peers_average_gradients_with_each_other(collaboration):
@@ -312,23 +341,22 @@ def initial_parameters() -> dict[str, torch.Tensor]:
 
 
 def test_faulty_peer_drops_the_bad_batch_and_rolls_back(collaboration):
-    log = collaboration.peers["A"].log()
-    assert "Test fault nan_loss injected" in log and "Dropping a mini-batch with non-finite loss" in log
-    assert "Test fault nan_parameters injected" in log and "restoring the backup (rollback #1)" in log
-    assert not collaboration.peers["A"].tracebacks_from_our_code()
+    peer = collaboration.peers["A"]
+    log = peer.log()  # the test faults' own lines say they were injected
+    assert "Test fault nan_loss injected" in log and peer.events("batch_dropped")
+    assert "Test fault nan_parameters injected" in log and [r["rollbacks"] for r in peer.events("rollback")] == [1]
+    assert not peer.tracebacks_from_our_code()
 
 
 def test_late_peer_loads_state_from_peers_and_contributes(collaboration):
-    log = collaboration.peers["C"].log()
-    start = re.search(r"Starting at global epoch (\d+)", log)
-    assert start and int(start.group(1)) >= 2, "the late peer did not download the collaboration's state"
+    start = start_epoch(collaboration.peers["C"])
+    assert start is not None and start >= 2, "the late peer did not download the collaboration's state"
     assert len(collaboration.peers["C"].averaging_group_sizes()) >= 2
 
 
 def test_killed_peer_restarts_loads_the_state_and_contributes_again(collaboration):
-    log = collaboration.peers["C2"].log()
-    start = re.search(r"Starting at global epoch (\d+)", log)
-    assert start and int(start.group(1)) >= 4
+    start = start_epoch(collaboration.peers["C2"])
+    assert start is not None and start >= 4
     assert collaboration.peers["C2"].averaging_group_sizes(), "the restarted peer never averaged"
 
 
@@ -383,9 +411,8 @@ def test_monitor_survives_a_killed_peer_and_stops_counting_it(collaboration):
 def test_monitor_killed_mid_save_loses_no_checkpoint_and_resumes(collaboration):
     assert collaboration.checkpoints_when_monitor_died, "the first checkpoint was not on disk when the monitor died"
     assert not collaboration.invalid_when_monitor_died and collaboration.partial_save_left
-    restarted = collaboration.monitors[1].log()
-    assert "left by an interrupted save" in restarted
-    assert "Latest valid checkpoint: " in restarted
+    (found,) = collaboration.monitors[1].events("checkpoints_found")
+    assert found["partial_saves_removed"] >= 1 and found["step"] >= max(collaboration.checkpoints_when_monitor_died)
     valid, invalid = list_checkpoints(collaboration.output / "checkpoints")
     assert not invalid and not [p for p in (collaboration.output / "checkpoints").iterdir() if p.name.startswith(".")]
     assert valid[-1][1].step > max(collaboration.checkpoints_when_monitor_died), "saving did not resume"
@@ -438,10 +465,9 @@ def test_trainer_resumes_from_a_checkpoint_when_no_peer_is_online(collaboration,
         assert peer.wait(timeout=180) == 0
     finally:
         peer.stop()
-    log = peer.log()
-    assert f"Resumed from checkpoint {folder} (global epoch {manifest.step})" in log
-    assert f"Starting at global epoch {manifest.step}" in log
-    first_loss = float(re.search(rf"epoch {manifest.step + 1} \| loss ([\d.]+)", log).group(1))
+    assert [(r["path"], r["epoch"]) for r in peer.events("resumed")] == [(str(folder), manifest.step)]
+    assert start_epoch(peer) == manifest.step
+    first_loss = next(r["loss"] for r in peer.events("epoch") if r["epoch"] == manifest.step + 1)
     assert first_loss < 7.5, "a resumed peer should start near the checkpoint's loss, not at a fresh model's ~8.3"
 
 
@@ -464,7 +490,7 @@ def test_sigterm_and_sigint_shut_down_cleanly_and_save_the_model(tmp_path, sampl
     try:
         for peer in peers.values():
             wait_until(
-                lambda p=peer: "Starting at global epoch" in p.log() or p.process.poll() is not None,
+                lambda p=peer: p.events("started") or p.process.poll() is not None,
                 120,
                 "the peer to start training",
             )
