@@ -14,19 +14,20 @@ logger = logging.getLogger("run_web")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from collab.extras import MissingExtraError, require_extra
+    from collab.errors import UserError
+    from collab.extras import require_extra
 
     try:
         require_extra("web", "the web app")
-    except MissingExtraError as e:
+    except UserError as e:
         print(f"run_web.py: error: {e}", file=sys.stderr)
         return 2
-    from web.settings import SettingsError, parse_web_args
+    from web.settings import parse_web_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = parse_web_args(argv)
-    except SettingsError as e:
+    except UserError as e:
         print(f"run_web.py: error: {e}", file=sys.stderr)
         return 2
 

@@ -32,5 +32,20 @@ class AccessError(UserError, RuntimeError):
     """The web app refused to issue a token: the message says which setting to check."""
 
 
+class PrepareError(UserError, ValueError):
+    """A bad option of ``python -m data.prepare``, checked before anything is read or written."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+
+
+class SettingsError(UserError, ValueError):
+    """A bad web app setting; the message starts with the flag to fix."""
+
+
+class StoreError(UserError, ValueError):
+    """The web app's database file cannot be used; the message names the file and what to do."""
+
+
 class InputError(UserError, ValueError):
     """Bad input to a command-line tool (trainer.predict): the message starts with the flag to fix."""

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from collab.errors import PrepareError
 from collab.storage import atomic_directory
 
 if TYPE_CHECKING:
@@ -47,13 +48,6 @@ SPECIAL_TOKENS = list(SPECIAL_TOKEN_KWARGS.values())
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 MIN_DOC_CHARS = 40
 STDLIB_MAX_DOCUMENTS = 20000  # ~6.3k docs / 1.6 MB on CPython 3.11; the cap bounds build time on bigger stdlibs
-
-
-class PrepareError(Exception):
-    """Bad input; main() prints it as one line ``error: <option>: <message>`` and exits 2."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(f"{option}: {message}")
 
 
 def normalize(text: str) -> str:

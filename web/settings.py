@@ -8,14 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from web.store import StoreError, check_database
+from collab.errors import SettingsError, StoreError
+from web.store import check_database
 
 MIN_ADMIN_TOKEN_CHARS = 8
 MAX_KEEP_CHECKPOINTS = 1000
-
-
-class SettingsError(ValueError):
-    """A bad web app setting; the message starts with the flag to fix."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from collab.errors import StoreError
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiments (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -66,10 +68,6 @@ CREATE TABLE IF NOT EXISTS sessions (
 INT64_MAX = 2**63 - 1
 PEER, MONITOR = "peer", "monitor"
 TOKEN_COLUMNS = {PEER: "token", MONITOR: "monitor_token"}
-
-
-class StoreError(ValueError):
-    """The database file cannot be used; the message names the file and what to do."""
 
 
 def check_database(path: Path) -> None:

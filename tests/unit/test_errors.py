@@ -25,6 +25,8 @@ PROGRAM = textwrap.dedent(
 
     def raiser(kind):
         def run(nothing, stop):
+            if kind is errors.PrepareError:  # data.prepare's errors take the option and the message apart
+                raise kind("--some_flag", "what to do\\nforged line")
             raise kind("--some_flag: what to do\\nforged line")
         return run
 

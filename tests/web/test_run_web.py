@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import run_web
-from web.settings import SettingsError, parse_web_args
+from collab.errors import SettingsError
+from web.settings import parse_web_args
 
 
 def test_refuses_to_start_without_an_admin_token(monkeypatch, capsys):
