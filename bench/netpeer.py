@@ -21,8 +21,8 @@ from hivemind.compression import Float16Compression
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 
-import collab  # noqa: F401  (applies the hivemind fixes the trainer runs with)
 from arguments import TrainingArguments
+from collab.hivemind_fixes import apply_entry_point_patches
 from collab.optim import gradient_compression, lamb_factory
 from collab.schema import LocalMetrics, make_validators, metrics_key
 from trainer.local import wait_until
@@ -148,6 +148,7 @@ def state_transfer(dht, shapes, prefix: str, args, sync_dir: Path) -> dict | Non
 
 
 def main(argv=None) -> None:
+    apply_entry_point_patches()  # the trainer's entry point applies the same
     parser = argparse.ArgumentParser(prog="python -m bench.netpeer")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--peers", type=int, default=2)

@@ -59,6 +59,7 @@ from arguments import MonitorArguments
 from collab import events
 from collab.averaging_events import OptimizerEventsMixin, TrafficCountingMixin
 from collab.callback import all_finite
+from collab.hivemind_fixes import FixedDecentralizedAverager, SpacedProgressTracker, hivemind_class
 from monitor.aggregate import honest_step
 
 logger = logging.getLogger(__name__)
@@ -137,11 +138,6 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
             events.emit("refused", kind=f"{self.round_kind}s", groupmates=len(refused), kept_local=kept_local)
 
 
-def hivemind_class(cls: type) -> type:
-    """The first hivemind class in ``cls``'s method resolution order."""
-    return next(base for base in cls.__mro__ if base.__module__.startswith("hivemind."))
-
-
 class FiniteAveragingMixin:
     """Runs this averager's all-reduce rounds with ``FiniteAllReduceRunner``; put it before the hivemind class."""
 
@@ -179,7 +175,7 @@ class FiniteAveragingMixin:
                 raise ValueError("aux peers should not receive averaged tensors")
 
 
-class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager):
+class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecentralizedAverager):
     """hivemind's ``GradientAverager`` whose rounds refuse non-finite values (``grad_averager_factory=``)."""
 
     round_kind = "gradient"
@@ -290,7 +286,7 @@ def choose_donor(advertised: Mapping[Any, Any], max_epoch: float, excluded: set[
     return max(allowed)[2] if allowed else None
 
 
-class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager):
+class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, FixedDecentralizedAverager):
     """hivemind's ``TrainingStateAverager`` whose parameter rounds refuse non-finite values and whose state downloads
     refuse a lying donor.
 
@@ -422,6 +418,18 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager):
 class FiniteAveragingOptimizer(OptimizerEventsMixin, hivemind.Optimizer):
     """``hivemind.Optimizer`` whose parameter rounds run in a ``FiniteTrainingStateAverager``; pass
     ``grad_averager_factory=FiniteGradientAverager`` for its gradient rounds."""
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SpacedProgressTracker:
+        """hivemind's ``Optimizer._make_progress_tracker``, with ``SpacedProgressTracker``."""
+        return SpacedProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         """hivemind's ``Optimizer._make_state_averager``, with ``FiniteTrainingStateAverager``."""

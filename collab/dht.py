@@ -17,6 +17,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from arguments import PeerArguments
 from collab.access import WebAppAuthorizer
 from collab.errors import DHTStartError
+from collab.hivemind_fixes import FixedDHT
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def start_dht(
         authorizer = WebAppAuthorizer(peer_args.authorization_url, peer_args.web_token)
         authorizer.fetch_first_token()
     try:
-        dht = hivemind.DHT(
+        dht = FixedDHT(
             start=True,
             initial_peers=peer_args.initial_peers,
             client_mode=client_mode,

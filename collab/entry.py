@@ -11,6 +11,7 @@ from hivemind.utils.logging import use_hivemind_log_handler
 
 from arguments import PeerArguments, parse_args_or_exit, split_config_flags
 from collab.errors import UserError
+from collab.hivemind_fixes import apply_entry_point_patches
 from collab.signals import install_stop_handlers
 
 # C0 controls but tab, DEL, C1 controls and the Unicode line separators: each can end a log line, rewrite one already
@@ -60,6 +61,7 @@ def run_program(
     prog: str, dataclass_types: Sequence[type], run: Callable[..., object], argv: Sequence[str] | None = None
 ) -> int:
     """Parse ``argv`` into ``dataclass_types``, call ``run(*arguments, stop=event)``; 0 on success, 2 on bad input."""
+    apply_entry_point_patches()
     use_hivemind_log_handler("in_root_logger")
     logging.getLogger().setLevel(logging.INFO)
     escape_log_messages()

@@ -449,25 +449,100 @@ def quantization_extract(self, serialized_tensor) -> torch.Tensor:
     return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
 
 
-def apply() -> None:
-    for module in (hivemind.averaging.averager, hivemind.dht.dht):
-        module.switch_to_uvloop = switch_to_uvloop_keeping_tasks
-    averager = hivemind.averaging.averager.DecentralizedAverager
-    averager.run_in_background = run_in_background_keeping_sigint
-    averager._register_allreduce_group = register_allreduce_group_waking_senders
-    averager.rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
-    hivemind.compression.quantization.Quantization.extract = quantization_extract
-    hivemind.averaging.matchmaking.PotentialLeaders._update_queue_periodically = update_queue_with_spaced_lookups
-    ProgressTracker.__init__ = tracker_init_with_report_period
-    ProgressTracker.report_local_progress = report_local_progress_waking_on_new_epoch
-    ProgressTracker.shutdown = tracker_shutdown_waking_reporter
-    ProgressTracker._progress_reporter = progress_reporter_spaced
-    hivemind.dht.dht.DHT.run = dht_run_ending_with_parent
-    averager.run = averager_run_ending_with_parent
-    averager._declare_for_download_periodically = declare_for_download_when_changed
-    averager.step = averager_step_marking_stale_time
-    StepControl.allow_allreduce = allow_allreduce_watching_for_staleness
-    StepControl.cancel = cancel_once
+class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverager):
+    """hivemind's ``DecentralizedAverager`` with the fixes above that live in the averager: SIGINT kept, senders
+    waiting for their group, declarations stored only when changed, rounds marked for the stale-round watchdog, and
+    a process that keeps its tasks and ends with its parent.
+
+    Put it last among the bases (``class A(Mixin, GradientAverager, FixedDecentralizedAverager)``) so that it sits
+    under hivemind's own subclasses, whose ``step`` is another method that calls this one. RPC handlers keep
+    hivemind's names (``_get_handle_name``), so these averagers average with plain hivemind ones.
+    """
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return hivemind_class(cls)._get_handle_name(namespace, method_name)
+
+    run_in_background = run_in_background_keeping_sigint
+    _register_allreduce_group = register_allreduce_group_waking_senders
+    rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
+    _declare_for_download_periodically = declare_for_download_when_changed
+    step = averager_step_marking_stale_time
+
+    def run(self) -> None:
+        """The averager's own process: keeps its tasks (hivemind's module, in this process only) and ends with the
+        process that started it."""
+        exit_when_parent_dies(self._parent_pid)
+        hivemind.averaging.averager.switch_to_uvloop = switch_to_uvloop_keeping_tasks
+        super().run()
 
 
-apply()
+class FixedDHT(hivemind.DHT):
+    """``hivemind.DHT`` whose process keeps its tasks (hivemind's module, in that process only) and ends, p2pd first,
+    with the process that started it."""
+
+    def run(self) -> None:
+        exit_when_parent_dies(self._parent_pid, lambda: _stop_p2p_daemon(self))
+        hivemind.dht.dht.switch_to_uvloop = switch_to_uvloop_keeping_tasks
+        super().run()
+
+
+class SpacedProgressTracker(ProgressTracker):
+    """hivemind's ``ProgressTracker`` publishing at most once per ``progress_report_period`` within an epoch and a
+    new epoch at once (``hivemind.Optimizer._make_progress_tracker`` builds it in ``collab.averagers``)."""
+
+    __init__ = tracker_init_with_report_period
+    report_local_progress = report_local_progress_waking_on_new_epoch
+    shutdown = tracker_shutdown_waking_reporter
+    _progress_reporter = progress_reporter_spaced
+
+
+def hivemind_class(cls: type) -> type:
+    """The first hivemind class in ``cls``'s method resolution order."""
+    return next(base for base in cls.__mro__ if base.__module__.startswith("hivemind."))
+
+
+# The patches no subclass can replace: hivemind builds these objects inside its own code (PotentialLeaders in its
+# matchmaking, StepControl in DecentralizedAverager.step, decoders through a registry of instances by type).
+REQUIRED_HIVEMIND_VERSION = "1.1.12"
+ALLOW_VERSION_VARIABLE = "COLLAB_ALLOW_HIVEMIND_VERSION"
+ENTRY_POINT_PATCHES = (
+    (hivemind.averaging.matchmaking.PotentialLeaders, "_update_queue_periodically", update_queue_with_spaced_lookups),
+    (StepControl, "allow_allreduce", allow_allreduce_watching_for_staleness),
+    (StepControl, "cancel", cancel_once),
+    (hivemind.compression.quantization.Quantization, "extract", quantization_extract),
+)
+
+
+class HivemindVersionError(SystemExit):
+    """hivemind is not the version the patches were written for: the message says what to install."""
+
+
+def check_hivemind_version(version: str = hivemind.__version__, environ=os.environ) -> None:
+    """Stop with one line unless hivemind is ``REQUIRED_HIVEMIND_VERSION``: the patches replace private internals
+    that another release may have changed. ``COLLAB_ALLOW_HIVEMIND_VERSION=1`` runs anyway."""
+    if version != REQUIRED_HIVEMIND_VERSION and environ.get(ALLOW_VERSION_VARIABLE) != "1":
+        raise HivemindVersionError(
+            f"hivemind {version} is installed; this program needs hivemind=={REQUIRED_HIVEMIND_VERSION} "
+            f"(pip install hivemind=={REQUIRED_HIVEMIND_VERSION}), or set {ALLOW_VERSION_VARIABLE}=1 to run anyway"
+        )
+
+
+def apply_entry_point_patches() -> None:
+    """Apply ``ENTRY_POINT_PATCHES`` (once; after ``check_hivemind_version``). Only a program's entry point calls this
+    (``collab.entry.run_program``, bench/netpeer.py, bench/probe.py, tests): importing the project changes nothing."""
+    check_hivemind_version()
+    for owner, name, replacement in ENTRY_POINT_PATCHES:
+        setattr(owner, name, replacement)
+
+
+@contextlib.contextmanager
+def entry_point_patches_applied():
+    """``ENTRY_POINT_PATCHES`` applied inside the block, hivemind's own methods restored after it (tests)."""
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in ENTRY_POINT_PATCHES]
+    apply_entry_point_patches()
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)

@@ -161,7 +161,7 @@ def build_optimizer(
         "expected_drift_peers": tracker_args.expected_drift_peers,
         "expected_drift_rate": tracker_args.expected_drift_rate,
         "metadata_expiration": tracker_args.metadata_expiration,
-        "progress_report_period": tracker_args.progress_report_period,  # collab.hivemind_fixes adds this option
+        "progress_report_period": tracker_args.progress_report_period,  # an option of SpacedProgressTracker
     }
     if tracker_private_key is not None:
         tracker_opts["private_key"] = tracker_private_key

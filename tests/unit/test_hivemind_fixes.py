@@ -1,4 +1,5 @@
-"""collab.hivemind_fixes: each hivemind bug it works around, shown with plain hivemind and fixed with the patch."""
+"""collab.hivemind_fixes: each hivemind bug it works around, shown with plain hivemind and fixed by its subclass (or,
+where no subclass reaches, by its entry-point patch)."""
 
 import asyncio
 import contextlib
@@ -26,7 +27,13 @@ from hivemind.utils.mpfuture import MPFuture
 
 from bench.cpu import process_tree, stat_fields
 from collab import hivemind_fixes
-from collab.hivemind_fixes import _original_switch_to_uvloop, switch_to_uvloop_keeping_tasks
+from collab.hivemind_fixes import (
+    FixedDecentralizedAverager,
+    SpacedProgressTracker,
+    _original_switch_to_uvloop,
+    entry_point_patches_applied,
+    switch_to_uvloop_keeping_tasks,
+)
 from tests.local_dht import two_dhts
 from trainer.local import wait_until
 
@@ -81,7 +88,7 @@ def test_starting_an_averager_keeps_the_callers_sigint_handler():
     dht = hivemind.DHT(start=True)
     averager = None
     try:
-        averager = hivemind.averaging.DecentralizedAverager([torch.zeros(2)], dht=dht, prefix="sigint", start=True)
+        averager = FixedDecentralizedAverager([torch.zeros(2)], dht=dht, prefix="sigint", start=True)
         signal.raise_signal(signal.SIGINT)
         assert calls == ["handled"]
     finally:
@@ -91,22 +98,10 @@ def test_starting_an_averager_keeps_the_callers_sigint_handler():
         dht.shutdown()
 
 
-@contextlib.contextmanager
-def plain_group_registration():
-    """Averagers started inside use hivemind's own rpc_aggregate_part (their processes fork from this one)."""
-    patched = DecentralizedAverager._register_allreduce_group, DecentralizedAverager.rpc_aggregate_part
-    DecentralizedAverager._register_allreduce_group = hivemind_fixes._original_register_allreduce_group
-    DecentralizedAverager.rpc_aggregate_part = hivemind_fixes._original_rpc_aggregate_part
-    try:
-        yield
-    finally:
-        DecentralizedAverager._register_allreduce_group, DecentralizedAverager.rpc_aggregate_part = patched
-
-
 LATE_TRIGGER_SECONDS = 1.0  # the second peer starts its all-reduce this much later (the skew under test)
 
 
-def average_with_a_late_groupmate() -> tuple[torch.Tensor, torch.Tensor]:
+def average_with_a_late_groupmate(averager_class) -> tuple[torch.Tensor, torch.Tensor]:
     """What hivemind.Optimizer does with delayed averaging: round 2 is matched while round 1 is still pending; after
     round 1, one peer triggers round 2 a second before the other. Returns both peers' tensors after round 2."""
     size = 1_000_000  # large enough for each peer to reduce a part, so each sends to the other
@@ -116,8 +111,8 @@ def average_with_a_late_groupmate() -> tuple[torch.Tensor, torch.Tensor]:
     averagers = []
     try:
         averagers = [
-            DecentralizedAverager([torch.zeros(size)], dht=dht1, next_chunk_timeout=6.0, **options),
-            DecentralizedAverager([torch.full((size,), 2.0)], dht=dht2, next_chunk_timeout=6.0, **options),
+            averager_class([torch.zeros(size)], dht=dht1, next_chunk_timeout=6.0, **options),
+            averager_class([torch.full((size,), 2.0)], dht=dht2, next_chunk_timeout=6.0, **options),
         ]
         when = get_dht_time() + 1.5
         first = [a.step(scheduled_time=when, require_trigger=True, wait=False) for a in averagers]
@@ -154,16 +149,15 @@ def average_with_a_late_groupmate() -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.timeout(180)
 def test_plain_hivemind_leaves_half_of_the_tensor_unaveraged_when_a_groupmate_is_late():
-    with plain_group_registration():
-        first, second = average_with_a_late_groupmate()
+    first, second = average_with_a_late_groupmate(DecentralizedAverager)
     averaged = (first == 1.0) & (second == 1.0)
     unaveraged = (first == 0.0) & (second == 2.0)
     assert averaged.any() and unaveraged.any() and (averaged | unaveraged).all()
 
 
 @pytest.mark.timeout(180)
-def test_patched_averager_waits_for_a_late_groupmate_and_averages_everything():
-    first, second = average_with_a_late_groupmate()
+def test_fixed_averager_waits_for_a_late_groupmate_and_averages_everything():
+    first, second = average_with_a_late_groupmate(FixedDecentralizedAverager)
     assert torch.equal(first, torch.ones_like(first)) and torch.equal(second, torch.ones_like(second))
 
 
@@ -225,23 +219,6 @@ STEPS, STEP_SECONDS = 40, 0.05  # a fast peer's optimizer steps, 2 s of them
 LONG_REPORT_PERIOD = 30.0  # longer than the test: a record published within it was not held back by the period
 
 
-@contextlib.contextmanager
-def progress_tracker_methods(patched: bool):
-    """ProgressTracker as collab.hivemind_fixes leaves it (patched) or as hivemind ships it."""
-    names = ["__init__", "report_local_progress", "shutdown", "_progress_reporter"]
-    current = {name: getattr(ProgressTracker, name) for name in names}
-    if not patched:
-        ProgressTracker.__init__ = hivemind_fixes._original_tracker_init
-        ProgressTracker.report_local_progress = hivemind_fixes._original_report_local_progress
-        ProgressTracker.shutdown = hivemind_fixes._original_tracker_shutdown
-        ProgressTracker._progress_reporter = hivemind_fixes._original_progress_reporter
-    try:
-        yield
-    finally:
-        for name, method in current.items():
-            setattr(ProgressTracker, name, method)
-
-
 def progress_publications(patched: bool) -> tuple[int, float | None, float]:
     """A new tracker reports STEPS steps, then a new epoch. Returns the DHT stores made during the steps, the seconds
     until the new epoch could be read from the DHT (None if never within 10 s), and the seconds its shutdown took."""
@@ -256,28 +233,28 @@ def progress_publications(patched: bool) -> tuple[int, float | None, float]:
     dht.store = counted_store
     options = {"progress_report_period": LONG_REPORT_PERIOD} if patched else {}
     try:
-        with progress_tracker_methods(patched):
-            tracker = ProgressTracker(dht, "reports", target_batch_size=10**6, start=True, **options)
-            try:
-                for step in range(1, STEPS + 1):
-                    tracker.report_local_progress(0, samples_accumulated=16 * step)
-                    time.sleep(STEP_SECONDS)  # the step's compute
-                during_steps = len(stores)
+        tracker_class = SpacedProgressTracker if patched else ProgressTracker
+        tracker = tracker_class(dht, "reports", target_batch_size=10**6, start=True, **options)
+        try:
+            for step in range(1, STEPS + 1):
+                tracker.report_local_progress(0, samples_accumulated=16 * step)
+                time.sleep(STEP_SECONDS)  # the step's compute
+            during_steps = len(stores)
 
-                with tracker.pause_updates():
-                    tracker.update_epoch(1)
-                started = time.monotonic()
-                new_epoch_seen = None
-                while new_epoch_seen is None and time.monotonic() - started < 10:
-                    record = dht.get(tracker.training_progress_key, latest=True)
-                    mine = record and record.value.get(tracker._local_public_key)
-                    if mine and mine.value["epoch"] == 1:
-                        new_epoch_seen = time.monotonic() - started
-                started = time.monotonic()
-                tracker.shutdown(timeout=10)
-                return during_steps, new_epoch_seen, time.monotonic() - started
-            finally:
-                tracker.shutdown(timeout=10)
+            with tracker.pause_updates():
+                tracker.update_epoch(1)
+            started = time.monotonic()
+            new_epoch_seen = None
+            while new_epoch_seen is None and time.monotonic() - started < 10:
+                record = dht.get(tracker.training_progress_key, latest=True)
+                mine = record and record.value.get(tracker._local_public_key)
+                if mine and mine.value["epoch"] == 1:
+                    new_epoch_seen = time.monotonic() - started
+            started = time.monotonic()
+            tracker.shutdown(timeout=10)
+            return during_steps, new_epoch_seen, time.monotonic() - started
+        finally:
+            tracker.shutdown(timeout=10)
     finally:
         dht.shutdown()
 
@@ -290,7 +267,7 @@ def test_plain_hivemind_publishes_progress_after_every_step():
 
 
 @pytest.mark.timeout(120)
-def test_patched_tracker_publishes_once_per_period_but_a_new_epoch_at_once():
+def test_spaced_tracker_publishes_once_per_period_but_a_new_epoch_at_once():
     during_steps, new_epoch_seen, shutdown_seconds = progress_publications(patched=True)
     assert during_steps == 1, f"{during_steps} stores for {STEPS} steps within one {LONG_REPORT_PERIOD:g} s period"
     assert new_epoch_seen is not None, f"the new epoch was held back by the {LONG_REPORT_PERIOD:g} s period"
@@ -302,12 +279,12 @@ def test_patched_tracker_publishes_once_per_period_but_a_new_epoch_at_once():
 PEER_WITH_CHILDREN = textwrap.dedent(
     """
     import sys, time
-    if sys.argv[1] == "patched":
-        import collab  # applies collab.hivemind_fixes
     import hivemind, torch
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    averager = hivemind.DecentralizedAverager([torch.zeros(4)], dht=dht, prefix="orphans", target_group_size=2,
-                                              start=True)
+    from collab.hivemind_fixes import FixedDecentralizedAverager, FixedDHT
+    fixed = sys.argv[1] == "fixed"
+    dht = (FixedDHT if fixed else hivemind.DHT)(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager_class = FixedDecentralizedAverager if fixed else hivemind.DecentralizedAverager
+    averager = averager_class([torch.zeros(4)], dht=dht, prefix="orphans", target_group_size=2, start=True)
     print(dht.pid, averager.pid, flush=True)
     time.sleep(600)
     """
@@ -350,8 +327,8 @@ def test_plain_hivemind_leaves_orphans_when_the_peer_is_killed():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
-def test_patched_children_end_with_their_killed_peer_p2pd_included():
-    children = children_of_a_killed_peer("patched")
+def test_fixed_children_end_with_their_killed_peer_p2pd_included():
+    children = children_of_a_killed_peer("fixed")
     try:
         wait_until(lambda: not any(map(running, children)), timeout=30, what="the killed peer's children to end")
     finally:
@@ -367,7 +344,7 @@ def download_declarations(patched: bool) -> tuple[int, float | None]:
     state-download declarations both stored (counted in their processes, which fork from this one) up to the end
     of the round, and the priority the DHT then shows for the one that raised it (None if not within 10 s)."""
     declarations = multiprocessing.Value("i", 0)
-    real_store, real_declare = hivemind.DHT.store, DecentralizedAverager._declare_for_download_periodically
+    real_store = hivemind.DHT.store
 
     def counted_store(self, key, *args, **kwargs):
         if str(key).endswith(".all_averagers"):
@@ -376,17 +353,15 @@ def download_declarations(patched: bool) -> tuple[int, float | None]:
         return real_store(self, key, *args, **kwargs)
 
     hivemind.DHT.store = counted_store
-    if not patched:
-        DecentralizedAverager._declare_for_download_periodically = hivemind_fixes._original_declare_for_download
+    averager_class = FixedDecentralizedAverager if patched else DecentralizedAverager
     options = dict(prefix="declare", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True)
     averagers = []
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(setattr, hivemind.DHT, "store", real_store)
-        cleanup.callback(setattr, DecentralizedAverager, "_declare_for_download_periodically", real_declare)
         dht1, dht2 = cleanup.enter_context(two_dhts())
         cleanup.callback(lambda: [averager.shutdown() for averager in averagers])
         averagers += [
-            DecentralizedAverager([torch.full((64,), float(i)) for _ in range(TENSORS)], dht=dht, **options)
+            averager_class([torch.full((64,), float(i)) for _ in range(TENSORS)], dht=dht, **options)
             for i, dht in enumerate((dht1, dht2))
         ]
         when = get_dht_time() + 1.0
@@ -411,7 +386,7 @@ def test_plain_hivemind_redeclares_its_state_after_every_averaged_part():
 
 
 @pytest.mark.timeout(120)
-def test_patched_averager_declares_once_and_again_when_its_priority_changes():
+def test_fixed_averager_declares_once_and_again_when_its_priority_changes():
     during_round, priority = download_declarations(patched=True)
     assert during_round == 2, f"{during_round} declarations (one per averager expected)"
     assert priority == 5.0, "the raised priority never reached the DHT"
@@ -426,11 +401,18 @@ def test_a_round_is_stale_only_while_it_still_looks_for_a_group_after_its_time()
     assert not hivemind_fixes.is_stale_round(looking, done=True, seconds_since_trigger=60.0, stale_after=4.0)
 
 
+@pytest.fixture
+def entry_point_patches():
+    """The StepControl patches of the stale-round watchdog, as a program's entry point applies them."""
+    with entry_point_patches_applied():
+        yield
+
+
 STALE_TEST_MATCHMAKING = 1.0  # seconds: a triggered round still looking 2.5 s later is given up
 
 
 def matched_averager(dht: hivemind.DHT, value: float, prefix: str) -> DecentralizedAverager:
-    return DecentralizedAverager(
+    return FixedDecentralizedAverager(
         [torch.full((1000,), value)],
         dht=dht,
         prefix=prefix,
@@ -443,7 +425,7 @@ def matched_averager(dht: hivemind.DHT, value: float, prefix: str) -> Decentrali
 
 
 @pytest.mark.timeout(120)
-def test_a_round_that_finds_no_group_is_given_up_after_two_and_a_half_matchmaking_times():
+def test_a_round_that_finds_no_group_is_given_up_after_two_and_a_half_matchmaking_times(entry_point_patches):
     # hivemind alone retries matchmaking until the round's timeout (60 s here, averaging_timeout in the Optimizer)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = matched_averager(dht, 1.0, prefix="nobody_else")
@@ -458,7 +440,7 @@ def test_a_round_that_finds_no_group_is_given_up_after_two_and_a_half_matchmakin
 
 
 @pytest.mark.timeout(120)
-def test_a_round_is_not_given_up_while_it_waits_for_a_late_groupmate():
+def test_a_round_is_not_given_up_while_it_waits_for_a_late_groupmate(entry_point_patches):
     """The first peer triggers before its group has assembled, the second 3 s later (more than the 2.5 s after which a
     round still looking for a group is given up): the group formed in time, so both average."""
     with two_dhts() as (dht1, dht2):
@@ -477,7 +459,7 @@ def test_a_round_is_not_given_up_while_it_waits_for_a_late_groupmate():
                 averager.shutdown()
 
 
-def test_a_round_whose_all_reduce_failed_and_went_back_to_matchmaking_is_still_given_up():
+def test_a_round_whose_all_reduce_failed_and_went_back_to_matchmaking_is_still_given_up(entry_point_patches):
     trigger, cancel = MPFuture(), MPFuture()
     now = get_dht_time()
     control = StepControl(scheduled_time=now, deadline=now + 60, allow_retries=True, weight=1.0, data_for_gather=b"")
