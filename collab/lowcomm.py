@@ -61,6 +61,20 @@ def rebase_(current: torch.Tensor, new_anchor: torch.Tensor, reference: torch.Te
     reference.copy_(new_anchor)
 
 
+LAMB_STEP_OUTPUTS = ("weight_norm", "adam_norm", "trust_ratio")  # written by each Lamb step, never read by it
+
+
+def shared_inner_state(inner_state: dict) -> dict:
+    """The inner optimizer's ``state_dict`` without Lamb's per-step outputs, which peers could not exchange: Lamb
+    makes ``trust_ratio`` a Python 1 where a norm is 0, so peers that stepped on different batches would hold
+    different layouts and refuse each other's state."""
+    state = {
+        index: {key: value for key, value in param_state.items() if key not in LAMB_STEP_OUTPUTS}
+        for index, param_state in inner_state["state"].items()
+    }
+    return {**inner_state, "state": state}
+
+
 class OuterNesterov(torch.optim.SGD):
     """The outer optimizer (SGD with Nesterov momentum, as DiLoCo) over the anchors; its ``state_dict`` also carries
     the inner optimizer's, so newcomers, the monitor and checkpoints get the whole training state in one structure.
@@ -77,7 +91,7 @@ class OuterNesterov(torch.optim.SGD):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["inner"] = self.inner.state_dict()
+        state["inner"] = shared_inner_state(self.inner.state_dict())
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:

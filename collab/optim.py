@@ -148,6 +148,8 @@ def build_optimizer(
     tracker_private_key=None,
 ) -> hivemind.Optimizer:
     """hivemind.Optimizer over Lamb: accumulate to the collaboration's target batch, average fp16 gradients, step.
+    With ``--local_steps`` > 0, the low-communication mode instead (``collab.lowcomm``, arguments from
+    ``lowcomm_mode``): the same hivemind machinery, one global epoch per outer round.
 
     Its gradient and parameter rounds refuse a groupmate's non-finite values (``collab.averagers``).
 
@@ -199,13 +201,20 @@ def build_optimizer(
     )
 
 
+def inner_lamb(model: torch.nn.Module, training_args: TrainingArguments) -> tuple[Lamb, Callable]:
+    """The low-communication mode's inner Lamb over the model's parameters and its schedule. Trainers and the monitor
+    both build the schedule: it adds ``initial_lr`` to Lamb's groups, part of the state layout they exchange."""
+    inner = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
+    return inner, scheduler_factory(training_args)(inner)
+
+
 def lowcomm_mode(model: torch.nn.Module, optimizer_args: OptimizerArguments, training_args: TrainingArguments) -> dict:
     """``LowCommOptimizer``'s own arguments: Lamb (and its schedule, by global epoch) as the inner optimizer over the
     model's parameters, the outer step's settings and the pseudo-gradient codec."""
-    inner = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
+    inner, inner_scheduler = inner_lamb(model, training_args)
     return dict(
         inner_optimizer=inner,
-        inner_scheduler=scheduler_factory(training_args)(inner),
+        inner_scheduler=inner_scheduler,
         codec=make_codec(optimizer_args.pseudo_grad_compression, topk_fraction=optimizer_args.topk_fraction),
         local_steps=optimizer_args.local_steps,
         outer_learning_rate=optimizer_args.outer_learning_rate,
@@ -245,7 +254,7 @@ def build_state_averager(
     (``FiniteTrainingStateAverager``).
     """
     if optimizer_args.local_steps > 0:  # the low-communication mode's state: anchors, outer momentum, inner Lamb
-        inner = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
+        inner, _ = inner_lamb(model, training_args)
         optimizer = outer_optimizer_factory(optimizer_args.outer_learning_rate, optimizer_args.outer_momentum, inner)
         scheduler = None
     else:

@@ -22,7 +22,7 @@ from collab.lowcomm import (
     rebase_,
     round_target_samples,
 )
-from collab.optim import build_optimizer, lamb_factory, parameter_groups
+from collab.optim import build_optimizer, build_state_averager, lamb_factory, parameter_groups
 from trainer.model import tiny_bert_config
 
 
@@ -93,6 +93,22 @@ def test_state_dict_carries_outer_momentum_and_inner_lamb_to_a_newcomer():
         assert torch.equal(mine["exp_avg"], theirs["exp_avg"])
 
 
+def test_the_shared_layout_does_not_depend_on_the_batches_a_peer_saw():
+    """Lamb stores trust_ratio as a Python 1 where a gradient is 0: that must not change what peers exchange."""
+    args = TrainingArguments()
+    layouts = []
+    for zero_grad in (False, True):
+        model = torch.nn.Linear(4, 4)
+        inner = lamb_factory(args)(parameter_groups(model, args.weight_decay))
+        anchors = [{"params": [p.detach().clone() for p in group["params"]]} for group in inner.param_groups]
+        outer = outer_optimizer_factory(0.7, 0.9, inner)(anchors)
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param) if zero_grad else torch.randn_like(param)
+        inner.step()
+        layouts.append([entry["type"] for entry in dump_optimizer_state(outer)[0]])
+    assert layouts[0] == layouts[1]
+
+
 @pytest.mark.parametrize(
     ("settings", "flag"),
     [
@@ -125,16 +141,18 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
     torch.manual_seed(0)
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
     start = [p.detach().clone() for group in parameter_groups(model, 0.01) for p in group["params"]]
+    optimizer_args = OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0)
+    training_args = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         optimizer = build_optimizer(
             model,
             dht,
             PeerArguments(experiment_prefix="lowcomm_alone"),
-            OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0),
+            optimizer_args,
             AveragerArguments(),
             ProgressTrackerArguments(),
-            TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+            training_args,
         )
         try:
             assert isinstance(optimizer, LowCommOptimizer) and optimizer.target_batch_size == 24
@@ -152,6 +170,20 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
                 assert torch.allclose(anchor, expected, atol=1e-6)
                 assert torch.allclose(now, expected, atol=1e-6)
             assert sum((a - s).abs().sum().item() for a, s in zip(anchors, start, strict=True)) > 0
+            # the monitor's download builds the same layout as a trainer that has stepped (else it refuses the state)
+            monitor = build_state_averager(
+                AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
+                dht,
+                PeerArguments(experiment_prefix="lowcomm_alone_monitor"),
+                optimizer_args,
+                AveragerArguments(),
+                training_args,
+            )
+            try:
+                served, wanted = dump_optimizer_state(optimizer.opt)[0], dump_optimizer_state(monitor.optimizer)[0]
+                assert [entry["type"] for entry in served] == [entry["type"] for entry in wanted]
+            finally:
+                monitor.shutdown()
             assert optimizer.local_epoch == 1
         finally:
             optimizer.shutdown()
