@@ -1,4 +1,10 @@
-"""Fixes for hivemind 1.1.12 bugs that hang a collaboration or let peers drift apart; applied on ``import collab``.
+"""Fixes for hivemind 1.1.12 bugs that hang a collaboration or let peers drift apart.
+
+Importing this module changes nothing in hivemind. The fixes live in subclasses that hivemind's hooks build
+(``FixedDecentralizedAverager``, the last base of ``collab.averagers``' averagers; ``FixedDHT``, built by
+``collab.dht.start_dht``; ``SpacedProgressTracker``, from ``FiniteAveragingOptimizer._make_progress_tracker``). What
+no hook reaches is ``ENTRY_POINT_PATCHES``, applied by a program's entry point (``apply_entry_point_patches``) after
+checking hivemind's version.
 
 Pending asyncio tasks collected by the garbage collector. hivemind's averager and DHT processes start each
 command with ``task = asyncio.create_task(...)`` and drop the reference at the next command. asyncio keeps
@@ -6,8 +12,7 @@ only weak references to tasks, and hivemind's ``MPFuture`` registry is weak too,
 answer from another process can form an unreachable cycle; the garbage collector then destroys it
 ("Task was destroyed but it is pending!" in the log) and the averaging round it belonged to hangs until
 ``averaging_timeout``, after which the peer falls out of sync. We give the event loops of hivemind's processes
-a task factory that holds every task until it is done. The processes are forked from ours, so the patch applied
-here is inherited by them.
+a task factory that holds every task until it is done, set inside the child processes our subclasses start.
 
 Averaging parts refused while a groupmate waits for its trigger. Optimizer rounds are matched in advance and each
 peer starts its all-reduce when its own step triggers it, so one peer may send its parts a moment before another
