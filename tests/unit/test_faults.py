@@ -1,6 +1,8 @@
 """tests/faults.py: the test-only fault spec, its one-shot triggers and the checkpoint-write pause."""
 
+import ast
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +52,16 @@ def test_only_the_configured_write_pauses_between_its_files_and_its_manifest(tmp
     ]
     assert len(paused) == 1 and ".tmp-2-" in paused[0], paused
     assert [read_manifest(tmp_path / str(step)).step for step in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_production_code_has_no_fault_hooks():
+    """A variable in a volunteer's environment or a stray flag cannot inject faults: only tests/ knows them."""
+    root = Path(__file__).resolve().parents[2]
+    packages = ("collab", "trainer", "monitor", "web", "data")
+    production = [*root.glob("*.py"), *(path for package in packages for path in (root / package).rglob("*.py"))]
+    for path in production:
+        tree = ast.parse(path.read_text())
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        assert not [name for name in imported if name.split(".")[0] in ("tests", "faults")], path
+        assert "COLLAB_TEST_FAULTS" not in path.read_text() and "pause_checkpoint_write" not in path.read_text(), path
