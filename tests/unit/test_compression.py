@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from collections.abc import Iterator
 
 import hivemind
@@ -15,6 +16,7 @@ from hivemind.compression import CompressionInfo, Float16Compression
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
+from bench.compression import gpt2_small_shapes, measure
 from collab.compression import (
     CODEC_KINDS,
     DENSE_BELOW_VALUES,
@@ -313,3 +315,11 @@ def test_an_all_reduce_on_the_8bit_wire_gives_the_mean_within_a_few_percent(thre
 
 def test_every_codec_kind_is_built():
     assert {make_codec(kind).kind for kind in CODEC_KINDS} == set(CODEC_KINDS)
+
+
+def test_the_bench_measures_gpt2_small_and_top_k_moves_a_tenth_of_fp16s_bytes():
+    assert sum(math.prod(shape) for shape in gpt2_small_shapes(12)) == 124_439_808
+    shapes = [(2 * TOP_K_VALUES,), (768,)]
+    fp16, topk = (measure(kind, shapes, peers=3, seed=0) for kind in ("fp16", "topk"))
+    assert topk["bytes_per_param_per_round"] < 0.1 * fp16["bytes_per_param_per_round"]
+    assert topk["wire_relative_error"] < 1e-3 < topk["round_relative_error"]
