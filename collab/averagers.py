@@ -46,7 +46,6 @@ from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state, load_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -55,12 +54,17 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 from torch.optim.lr_scheduler import LambdaLR
 
-from arguments import MonitorArguments
 from collab import events
 from collab.averaging_events import OptimizerEventsMixin, TrafficCountingMixin
 from collab.callback import all_finite
-from collab.hivemind_fixes import FixedDecentralizedAverager, SpacedProgressTracker, hivemind_class
-from monitor.aggregate import honest_step
+from collab.hivemind_fixes import (
+    EPOCH_LEAD_LIMIT,
+    FixedDecentralizedAverager,
+    SpacedProgressTracker,
+    hivemind_class,
+    honest_progress_epoch,
+    progress_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -181,32 +185,7 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
     round_kind = "gradient"
 
 
-# A downloaded state may claim at most this many global epochs past the swarm's honest epoch, plus one per second of
-# the download's timeout (epochs that may pass while it downloads), as the monitor allows for a saved state.
-EPOCH_LEAD_LIMIT = MonitorArguments.alive_step_lag
 MAX_DONORS_PER_LOAD = 8  # donors tried per load_state_from_peers; each refused or failed one is skipped next time
-
-
-def progress_key(run_id: str) -> str:
-    """The DHT key of hivemind's ``ProgressTracker`` records (``{run_id}_progress``, one signed subkey per peer)."""
-    return f"{run_id}_progress"
-
-
-def honest_progress_epoch(records: Mapping[Any, Any], now: float, step_lag: int = EPOCH_LEAD_LIMIT) -> int | None:
-    """The swarm's global epoch by the honest majority of its peers' live progress records (``honest_step``), or
-    None when there is no valid one. Malformed and expired records are ignored.
-
-    Each record is ``ValueWithExpiration(value, expiration_time)`` of a ``LocalTrainingProgress`` dict.
-    """
-    epochs = []
-    for entry in records.values():
-        if not isinstance(entry, ValueWithExpiration) or not entry.expiration_time > now:
-            continue
-        try:
-            epochs.append(LocalTrainingProgress.parse_obj(entry.value).epoch)
-        except Exception:
-            continue
-    return honest_step(epochs, step_lag) if epochs else None
 
 
 def state_refusal(
@@ -294,10 +273,10 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     scheduler once per epoch of it: a donor claiming epoch 2^39 would be picked first and hang the newcomer for
     months, one serving inf would poison it. Here a state is refused (``state_refusal``) when its epoch is more than
     ``EPOCH_LEAD_LIMIT`` (plus one per second of the timeout) past the swarm's honest epoch, read from the peers'
-    signed progress records under ``run_id`` (``honest_progress_epoch``: the progress tracker's own view takes the
-    highest record, a liar's), or when it has a non-finite value or another structure; a donor advertising such an
-    epoch is not even asked. The next donor is then tried, up to ``MAX_DONORS_PER_LOAD``, and failing all of them the
-    peer keeps its own state. The scheduler is brought to the new epoch in one step (``bring_scheduler_to_epoch``).
+    signed progress records under ``run_id`` but this peer's own (``honest_progress_epoch``), or when it has a
+    non-finite value or another structure; a donor advertising such an epoch is not even asked. The next donor is
+    then tried, up to ``MAX_DONORS_PER_LOAD``, and failing all of them the peer keeps its own state. The scheduler
+    is brought to the new epoch in one step (``bring_scheduler_to_epoch``).
     Without ``run_id`` no epoch is too far ahead (the other checks still apply).
     """
 
@@ -315,7 +294,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         found = self.dht.get(progress_key(self.run_id), latest=True)
         if found is None or not isinstance(found.value, dict):
             return None
-        return honest_progress_epoch(found.value, get_dht_time())
+        return honest_progress_epoch(found.value, get_dht_time(), exclude_peer=self.peer_id.to_bytes())
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
         """hivemind's ``TrainingStateAverager.load_state_from_peers``, refusing a lying donor (see the class)."""

@@ -83,8 +83,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import InvalidStateError
-from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind.averaging.averager
 import hivemind.averaging.matchmaking
@@ -94,13 +95,15 @@ import hivemind.optim.progress_tracker
 import numpy as np
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils import asyncio as hivemind_asyncio
-from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
-from arguments import ProgressTrackerArguments
+from arguments import MonitorArguments, ProgressTrackerArguments
+from monitor.aggregate import honest_step
 
 logger = logging.getLogger(__name__)
 
@@ -492,14 +495,72 @@ class FixedDHT(hivemind.DHT):
         super().run()
 
 
+# A peer's progress record, or a downloaded state, may claim at most this many global epochs past the swarm's
+# honest epoch: peers in sync are at most this far apart (the monitor's alive_step_lag).
+EPOCH_LEAD_LIMIT = MonitorArguments.alive_step_lag
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key of hivemind's ``ProgressTracker`` records (``{run_id}_progress``, one signed subkey per peer)."""
+    return f"{run_id}_progress"
+
+
+def record_epoch(entry: Any) -> int | None:
+    """The epoch of one progress record (``ValueWithExpiration`` of a ``LocalTrainingProgress`` dict), None if
+    malformed."""
+    try:
+        return LocalTrainingProgress.parse_obj(entry.value).epoch
+    except Exception:
+        return None
+
+
+def honest_progress_epoch(
+    records: Mapping[Any, Any], now: float, exclude_peer: bytes | None = None, step_lag: int = EPOCH_LEAD_LIMIT
+) -> int | None:
+    """The swarm's global epoch by the honest majority of the live progress records (``honest_step``), or None when
+    there is no valid one. Malformed and expired records are ignored, and so is the record of ``exclude_peer`` (a
+    peer ID): a newcomer's own epoch 0 would otherwise hold a swarm of two at 0.
+    """
+    epochs = []
+    for entry in records.values():
+        if not isinstance(entry, ValueWithExpiration) or not entry.expiration_time > now:
+            continue
+        epoch = record_epoch(entry)
+        if epoch is not None and not (exclude_peer is not None and entry.value.get("peer_id") == exclude_peer):
+            epochs.append(epoch)
+    return honest_step(epochs, step_lag) if epochs else None
+
+
 class SpacedProgressTracker(ProgressTracker):
     """hivemind's ``ProgressTracker`` publishing at most once per ``progress_report_period`` within an epoch and a
-    new epoch at once (``hivemind.Optimizer._make_progress_tracker`` builds it in ``collab.averagers``)."""
+    new epoch at once (``hivemind.Optimizer._make_progress_tracker`` builds it in ``collab.averagers``), whose global
+    epoch ignores records more than ``EPOCH_LEAD_LIMIT`` past the honest majority's.
+
+    hivemind takes the highest epoch of any record as the swarm's: one peer claiming epoch 2^39 made every trainer
+    see itself out of sync and download the state at every step.
+    """
 
     __init__ = tracker_init_with_report_period
     report_local_progress = report_local_progress_waking_on_new_epoch
     shutdown = tracker_shutdown_waking_reporter
     _progress_reporter = progress_reporter_spaced
+
+    def _parse_swarm_progress_data(self, metadata):
+        if isinstance(metadata, dict):
+            metadata = records_within_reach(metadata, get_dht_time(), self.dht.peer_id.to_bytes())
+        return super()._parse_swarm_progress_data(metadata)
+
+
+def records_within_reach(records: Mapping[Any, Any], now: float, own_peer: bytes | None = None) -> dict:
+    """``records`` without those claiming an epoch more than ``EPOCH_LEAD_LIMIT`` past ``honest_progress_epoch``."""
+    swarm_epoch = honest_progress_epoch(records, now, exclude_peer=own_peer)
+    if swarm_epoch is None:
+        return dict(records)
+    return {
+        key: entry
+        for key, entry in records.items()
+        if (epoch := record_epoch(entry)) is None or epoch <= swarm_epoch + EPOCH_LEAD_LIMIT
+    }
 
 
 def hivemind_class(cls: type) -> type:

@@ -9,7 +9,7 @@ import time
 
 import hivemind
 import torch
-from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -23,15 +23,16 @@ from collab.averagers import (
     progress_key,
     state_refusal,
 )
+from collab.hivemind_fixes import SpacedProgressTracker, records_within_reach
 from trainer.local import wait_until
 
 LIAR_EPOCH = 2**39
-LOAD_BOUND = 30.0  # seconds: three donors on 127.0.0.1 take about two; a newcomer stepping 2^39 times never ends
+LOAD_BOUND = 60.0  # seconds: three donors on 127.0.0.1 take about two; a newcomer stepping 2^39 times never ends
 
 
-def progress(epoch: int) -> dict:
+def progress(epoch: int, peer_id: bytes = b"peer") -> dict:
     return LocalTrainingProgress(
-        peer_id=b"peer", epoch=epoch, samples_accumulated=0, samples_per_second=1.0, time=0.0, client_mode=False
+        peer_id=peer_id, epoch=epoch, samples_accumulated=0, samples_per_second=1.0, time=0.0, client_mode=False
     ).dict()
 
 
@@ -43,6 +44,33 @@ def test_the_swarm_epoch_is_the_honest_majority_s_not_a_liar_s():
     records[b"e"] = ValueWithExpiration(progress(2**40), get_dht_time() - 1)  # expired: ignored
     assert honest_progress_epoch(records, get_dht_time(), step_lag=2) == 8
     assert honest_progress_epoch({}, get_dht_time()) is None
+
+
+def test_a_peer_s_own_record_is_left_out_of_the_swarm_s_epoch():
+    """A newcomer at epoch 0 and one honest peer at 100: the swarm is at 100, not at the lower median 0."""
+    live = get_dht_time() + 60
+    records = {
+        b"new": ValueWithExpiration(progress(0, b"newcomer"), live),
+        b"old": ValueWithExpiration(progress(100), live),
+    }
+    assert honest_progress_epoch(records, get_dht_time(), exclude_peer=b"newcomer") == 100
+    assert honest_progress_epoch(records, get_dht_time()) == 0
+
+
+def test_the_tracker_s_global_epoch_ignores_a_record_far_past_the_honest_majority():
+    live = get_dht_time() + 60
+    records = {
+        key: ValueWithExpiration(progress(epoch), live) for key, epoch in ((b"a", 5), (b"b", 6), (b"liar", LIAR_EPOCH))
+    }
+    assert set(records_within_reach(records, get_dht_time())) == {b"a", b"b"}
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        plain = ProgressTracker(dht, "liar_progress", target_batch_size=64, start=False)
+        spaced = SpacedProgressTracker(dht, "liar_progress", target_batch_size=64, start=False)
+        assert plain._parse_swarm_progress_data(records).epoch == LIAR_EPOCH
+        assert spaced._parse_swarm_progress_data(records).epoch == 6
+    finally:
+        dht.shutdown()
 
 
 def test_the_donor_is_the_highest_epoch_within_the_limit_and_not_excluded():
