@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionInfo, Float16Compression
+from hivemind.compression import CompressionInfo, Float16Compression, deserialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
@@ -193,6 +193,12 @@ def test_the_8bit_wire_keeps_large_tensors_within_a_few_percent_and_small_ones_i
     assert serialized(large, wire).compression == runtime_pb2.UNIFORM_8BIT
     assert (wire.extract(serialized(large, wire)) - large).norm() < 0.02 * large.norm()
     assert torch.equal(wire.extract(serialized(small, wire)), small.half().float())
+
+
+def test_plain_hivemind_refuses_a_sparse_part_rather_than_misreading_it():
+    part = top_k_contribution(torch.randn(TOP_K_VALUES), 0.01, 2)
+    with pytest.raises(RuntimeError, match="shape"):
+        deserialize_torch_tensor(serialized(part))
 
 
 def sparse_part(buffer: bytes, size: tuple[int, ...], dtype: str = "float32") -> runtime_pb2.Tensor:
