@@ -327,7 +327,7 @@ def test_plain_hivemind_leaves_orphans_when_the_peer_is_killed():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
-def test_fixed_children_end_with_their_killed_peer_p2pd_included():
+def test_patched_children_end_with_their_killed_peer_p2pd_included():
     children = children_of_a_killed_peer("fixed")
     try:
         wait_until(lambda: not any(map(running, children)), timeout=30, what="the killed peer's children to end")
