@@ -184,6 +184,12 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
 
     round_kind = "gradient"
 
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Downloads nothing. hivemind's ``Optimizer.load_state_from_peers`` downloads a donor's gradient buffers here
+        and drops them (a ``GradientAverager`` applies no state), and a donor trickling them until the timeout made
+        the optimizer's reload loop, which retries on that timeout, pick the same donor forever."""
+        return None
+
 
 MAX_DONORS_PER_LOAD = 8  # donors tried per load_state_from_peers; each refused or failed one is skipped next time
 

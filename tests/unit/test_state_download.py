@@ -16,6 +16,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from torch.optim.lr_scheduler import LambdaLR
 
 from collab.averagers import (
+    FiniteGradientAverager,
     FiniteTrainingStateAverager,
     bring_scheduler_to_epoch,
     choose_donor,
@@ -123,6 +124,11 @@ def test_the_scheduler_reaches_a_huge_epoch_at_once_as_hivemind_s_loop_would():
     started = time.monotonic()
     bring_scheduler_to_epoch(jumped, LIAR_EPOCH)
     assert time.monotonic() - started < 1 and jumped.get_last_lr() == [1 / (1 + LIAR_EPOCH)]
+
+
+def test_a_gradient_averager_downloads_no_state_hivemind_would_drop():
+    unused_averager = object()  # nothing of the averager is touched: no donor is asked
+    assert FiniteGradientAverager.load_state_from_peers(unused_averager, timeout=None) is None
 
 
 def make_averager(averager_class, dht: hivemind.DHT, fill: float, **kwargs) -> TrainingStateAverager:
