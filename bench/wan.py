@@ -115,20 +115,6 @@ def window_figures(peers_steps: Sequence[Sequence[Sequence[float]]], start: floa
     return Window(samples / (end - start), [len(steps) for steps in inside], epochs)
 
 
-@dataclasses.dataclass
-class Plan:
-    """How long each run lasts and what it covers; ``QUICK`` is a smoke run of a few minutes."""
-
-    peers: int = 3
-    target_batch_size: int = 256
-    seconds: float = 120.0  # measured window of each throughput run
-    lowcomm_variants: dict = dataclasses.field(default_factory=dict)
-    loss_steps_per_peer: int = 1000  # inner steps (micro-batches of 16) of each peer in each loss run
-    shadow_peers: int = 3
-    shadow_layers: int = 12
-    shadow_seconds: float = 120.0
-
-
 def lowcomm_flags(local_steps: int, compression: str) -> list[str]:
     """The low-communication mode's flags (``run_trainer.py``): DiLoCo's outer Nesterov SGD, 0.7 and 0.9."""
     return [
@@ -141,6 +127,21 @@ def lowcomm_flags(local_steps: int, compression: str) -> list[str]:
         "--pseudo_grad_compression",
         compression,
     ]
+
+
+@dataclasses.dataclass
+class Plan:
+    """How long each run lasts and what it covers; ``QUICK`` is a smoke run of a few minutes."""
+
+    peers: int = 3
+    target_batch_size: int = 256
+    seconds: float = 120.0  # measured window of each throughput run
+    lowcomm_variants: dict = dataclasses.field(default_factory=dict)
+    loss_steps_per_peer: int = 1000  # inner steps (micro-batches of 16) of each peer in each loss run
+    shadow_peers: int = 3
+    shadow_layers: int = 12
+    shadow_seconds: float = 120.0
+    loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
 
 
 # A round ends when the swarm has processed H x target_batch_size samples, so each of 3 peers takes H x 256 / (3 x 16)
@@ -157,11 +158,11 @@ QUICK = Plan(
     seconds=30.0,
     lowcomm_variants={"H 5, 8bit": lowcomm_flags(5, "8bit")},
     loss_steps_per_peer=60,
+    loss_variant=tuple(lowcomm_flags(5, "8bit")),
     shadow_peers=2,
     shadow_layers=2,
     shadow_seconds=30.0,
 )
-LOSS_VARIANT = lowcomm_flags(50, "8bit")
 
 
 def progress_ticks(plan: Plan) -> int:
@@ -278,10 +279,11 @@ def run_swarm(
         wait_for(lambda: all(records()), 300, f"{name}: every peer training", 1, started)
         if rate_mbit is not None:
             network.set_rates(rate_mbit, rate_mbit)
-        shaped, shaped_epoch = time.time(), max(steps[-1][2] for steps in records())
-        wait_for(lambda: min(s[-1][2] for s in records()) > shaped_epoch, 900, f"{name}: an epoch", 1, started)
+        if not stop_at_samples:
+            shaped, shaped_epoch = time.time(), max(steps[-1][2] for steps in records())
+            wait_for(lambda: min(s[-1][2] for s in records()) > shaped_epoch, 900, f"{name}: an epoch", 1, started)
+            seconds = window_s(seconds, time.time() - shaped)
         counters, start = network.counters(), time.time()
-        seconds = window_s(seconds, start - shaped)
         if stop_at_samples:
             wait_for(
                 lambda: all(sum(s[1] for s in peer) >= stop_at_samples for peer in records()),
@@ -358,14 +360,14 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
         if available:
             stop = plan.loss_steps_per_peer * 16
             losses = {}
-            for mode, flags in (("sync", []), ("lowcomm", LOSS_VARIANT)):
+            for mode, flags in (("sync", []), ("lowcomm", list(plan.loss_variant))):
                 run = run_swarm(network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_samples=stop)
                 losses[mode] = {
                     "samples": run["samples"],
                     "losses": [held_out_loss(folder) for folder in run["models"]],
                 }
             mean = {mode: sum(v["losses"]) / len(v["losses"]) for mode, v in losses.items()}
-            loss = {**losses, "ratio": ratio(mean["lowcomm"], mean["sync"]), "variant": " ".join(LOSS_VARIANT)}
+            loss = {**losses, "ratio": ratio(mean["lowcomm"], mean["sync"]), "variant": " ".join(plan.loss_variant)}
         progress("wan: loss")
     return {
         "params": params,
