@@ -339,9 +339,17 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         return None
 
     def _apply_state(self, metadata: dict, loaded_parameters, loaded_optimizer_tensors, parameters) -> None:
-        """The second half of hivemind's ``TrainingStateAverager.load_state_from_peers``: apply a checked state."""
+        """The second half of hivemind's ``TrainingStateAverager.load_state_from_peers``: apply a checked state.
+
+        The optimizer keeps this peer's hyperparameters (learning rate, betas, weight decay, ...): they come from its
+        own configuration, and a donor's finite but absurd ones (a learning rate of 1e30) would pass every check."""
+        own_hyperparameters = [
+            {k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups
+        ]
         with torch.no_grad(), self.lock_averaged_tensors:
             load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], loaded_optimizer_tensors)
+            for group, own in zip(self.optimizer.param_groups, own_hyperparameters, strict=True):
+                group.update(own)
             for local, loaded in zip(parameters, loaded_parameters, strict=True):
                 local.copy_(loaded, non_blocking=True)
         if self.offload_optimizer:

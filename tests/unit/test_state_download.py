@@ -163,6 +163,7 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
         donors = ((1.0, 7, 7), (2.0, LIAR_EPOCH, 9), (float("inf"), 8, 8))
         for dht, (fill, epoch, advertised) in zip(dhts, donors, strict=False):
             donor = make_averager(TrainingStateAverager, dht, fill)
+            donor.optimizer.param_groups[0]["weight_decay"] = 1e30  # finite and absurd: passes every check
             donor.local_epoch, donor.state_sharing_priority = epoch, advertised
             donor.allow_state_sharing = True
             averagers.append(donor)
@@ -183,6 +184,7 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
         executor.submit(newcomer.load_state_from_peers, timeout=10).result(timeout=LOAD_BOUND)
         assert time.monotonic() - started < LOAD_BOUND
         assert newcomer.local_epoch == 7 and newcomer.scheduler._step_count == 8
+        assert [group["weight_decay"] for group in newcomer.optimizer.param_groups] == [0.0]  # its own
         for param in newcomer.main_parameters:
             assert torch.equal(param, torch.ones_like(param))
     finally:
