@@ -1,0 +1,152 @@
+"""The low-communication mode (``--local_steps``) on 127.0.0.1, every node its own process, in one swarm.
+
+Timeline. The monitor M starts and saves checkpoints; trainers A, B and C join through it. Once all three have
+passed global epoch KILL_AFTER, C is killed with SIGKILL as its pseudo-gradient round begins; A and B must go on
+within a bound. A newcomer D, started once the others have trained an epoch, joins mid-run (it downloads anchor,
+outer momentum and Lamb state).
+A, B and D stop by themselves at MAX_STEPS, where the inner learning rate has decayed to 0 (--total_steps) and a
+parameter round has evened out what partial rounds left apart; their saved models are compared. Afterwards a new
+trainer resumes from M's last checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from collab.checkpoint import list_checkpoints
+from tests.integration.agreement import assert_parameters_agree, saved_parameters
+from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+KILL_AFTER = 2
+MAX_STEPS = 10
+AVERAGING_TIMEOUT = 15
+LOWCOMM = [
+    *("--local_steps", "2", "--target_batch_size", "128", "--matchmaking_time", "1.5"),
+    *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS), "--learning_rate", "0.05"),
+]
+
+
+@dataclass
+class Swarm:
+    out: Path
+    prefix: str
+    peers: dict[str, LocalProcess]
+    monitor: LocalProcess
+    exit_codes: dict[str, int]
+    epoch_when_c_died: int
+    seconds_to_two_more_epochs: float
+
+
+def epochs_of(peer: LocalProcess) -> list[int]:
+    return [record["epoch"] for record in peer.events("epoch")]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, sample_data):
+    out = tmp_path_factory.mktemp("lowcomm")
+    prefix = f"lowcomm{int(time.time())}"
+    common = ["--experiment_prefix", prefix, *LOWCOMM]
+    monitor = MonitorProcess(
+        [
+            *common,
+            *("--host_maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}", "--refresh_period", "1"),
+            *("--store_checkpoints", "--repo_path", str(out / "checkpoints"), "--save_checkpoint_step_interval", "2"),
+        ],
+        out / "M.log",
+    )
+    peers: dict[str, LocalProcess] = {}
+    try:
+        join = monitor.join_flags(timeout=120)
+        for name in "ABC":
+            argv = [*common, *join, "--output_dir", str(out / name)]
+            peers[name] = PeerProcess(
+                [*argv, *(["--max_steps", str(MAX_STEPS)] if name != "C" else [])], out / f"{name}.log"
+            )
+        # D starts while the others train, so that it joins mid-run whatever its start-up takes
+        wait_until(lambda: all(epochs_of(peer) for peer in peers.values()), 240, "A, B and C to finish an epoch")
+        peers["D"] = PeerProcess(
+            [*common, *join, "--max_steps", str(MAX_STEPS), "--output_dir", str(out / "D")], out / "D.log"
+        )
+        wait_until(
+            lambda: all(max(epochs_of(peers[name]), default=-1) >= KILL_AFTER for name in "ABC"),
+            120,
+            f"A, B and C to pass epoch {KILL_AFTER}",
+        )
+        c_rounds = len(peers["C"].events("step_begun"))
+        wait_until(lambda: len(peers["C"].events("step_begun")) > c_rounds, 60, "C's next round to begin", poll=0.05)
+        peers["C"].crash()
+        killed_at, epoch_when_c_died = time.monotonic(), max(epochs_of(peers["A"]))
+        wait_until(
+            lambda: min(max(epochs_of(peers[name])) for name in "AB") >= epoch_when_c_died + 2,
+            AVERAGING_TIMEOUT + 60,
+            "A and B to pass two more epochs without C",
+        )
+        seconds = time.monotonic() - killed_at
+        exit_codes = {name: peers[name].wait(timeout=300) for name in "ABD"}
+        wait_until(
+            lambda: any(m.step >= MAX_STEPS - 2 for _, m in list_checkpoints(out / "checkpoints")[0]),
+            60,
+            "the monitor's checkpoint of a late epoch",
+        )
+        yield Swarm(out, prefix, peers, monitor, exit_codes, epoch_when_c_died, seconds)
+    finally:
+        for process in [*peers.values(), monitor]:
+            process.close()
+
+
+def test_peers_stop_cleanly_and_their_loss_falls(swarm):
+    assert swarm.exit_codes == {"A": 0, "B": 0, "D": 0}
+    for name in "ABD":
+        assert max(epochs_of(swarm.peers[name])) == MAX_STEPS, name
+        assert not swarm.peers[name].tracebacks_from_our_code(), name
+    losses = [record["loss"] for record in swarm.peers["A"].events("epoch")]
+    assert losses[-1] < losses[0] - 0.5, f"A's loss did not fall: {losses}"
+
+
+def test_pseudo_gradients_are_averaged_in_groups(swarm):
+    rounds = [r for r in swarm.peers["A"].events("averaged") if r["kind"] == "pseudo-gradients"]
+    assert any(r["group_size"] >= 3 for r in rounds), "A never averaged with both B and C"
+    assert len(rounds) >= MAX_STEPS // 2
+
+
+def test_a_killed_peer_does_not_stall_the_others(swarm):
+    assert swarm.seconds_to_two_more_epochs < AVERAGING_TIMEOUT + 45
+
+
+def test_a_newcomer_downloads_the_state_and_agrees_with_the_others(swarm):
+    d = swarm.peers["D"]
+    assert min(epochs_of(d)) > 1, "D did not start from the swarm's epoch"
+    assert d.events("state_loaded"), "D did not download the state"
+    a = saved_parameters(swarm.out / "A")
+    for name in "BD":
+        assert_parameters_agree(a, saved_parameters(swarm.out / name), f"A and {name}")
+
+
+def test_the_monitors_checkpoint_resumes_a_trainer(swarm, tmp_path):
+    folder, manifest = list_checkpoints(swarm.out / "checkpoints")[0][-1]
+    peer = PeerProcess(
+        [
+            *("--experiment_prefix", f"resume{swarm.prefix}", *LOWCOMM, "--resume_from", str(folder)),
+            *(
+                "--target_batch_size",
+                "16",
+                "--max_steps",
+                str(manifest.step + 1),
+                "--output_dir",
+                str(tmp_path / "out"),
+            ),
+        ],
+        tmp_path / "resume.log",
+    )
+    try:
+        assert peer.wait(timeout=180) == 0
+    finally:
+        peer.stop()
+    assert [(r["path"], r["epoch"]) for r in peer.events("resumed")] == [(str(folder), manifest.step)]
+    assert not peer.tracebacks_from_our_code()
