@@ -19,17 +19,8 @@ from typing import Any, Literal
 
 from transformers import HfArgumentParser
 
-
-class ConfigError(ValueError):
-    """A bad setting: the message starts with the flag to fix and says what to do; ``field`` names it (or None)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        if field is None:
-            match = re.match(r"(?:argument )?--(\w+)", message)
-            field = match.group(1) if match else None
-        self.field = field
-
+from collab.errors import ConfigError
+from collab.wire import bearer_header
 
 # The kinds of training --task chooses, named once: trainer/tasks.py maps each to its model head, data and metrics.
 MASKED_LM, CAUSAL_LM, SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "mlm", "clm", "seq-cls", "qa"
@@ -667,8 +658,6 @@ def _download_config(source: str, token: str | None) -> bytes:
     import requests
 
     # identity encoding, read raw: a compressed body could inflate far past the cap inside one read
-    from collab.wire import bearer_header  # here, not at the top: the collab package imports this module
-
     headers = {"Accept-Encoding": "identity", **bearer_header(token)}
     deadline = time.monotonic() + CONFIG_DOWNLOAD_TIMEOUT
     with requests.get(source, headers=headers, timeout=30, stream=True) as response:

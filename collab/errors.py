@@ -2,14 +2,26 @@
 
 A program's entry point (``collab.entry.run_program``) catches ``UserError``, prints its message on one line and
 exits 2; any other exception is a bug and keeps its traceback. Raise the kind that says where the input came from.
-A bad flag or config value is ``arguments.ConfigError``: the parser turns it into the same one line and exit 2.
 """
 
 from __future__ import annotations
 
+import re
+
 
 class UserError(Exception):
     """Bad input or setup: the message (one line) starts with the flag or file to fix and says what to do."""
+
+
+class ConfigError(UserError, ValueError):
+    """A bad setting: the message starts with the flag to fix and says what to do; ``field`` names it (or None)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        if field is None:
+            match = re.match(r"(?:argument )?--(\w+)", message)
+            field = match.group(1) if match else None
+        self.field = field
 
 
 class SetupError(UserError, RuntimeError):

@@ -24,8 +24,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
-from arguments import ConfigError
 from collab.access import issue_token, load_authority_key, new_authority_key, token_to_json, verify_join_proof
+from collab.errors import ConfigError
 from web.auth import ANY_MEMBER, MONITOR_ONLY, check_experiment_access, is_admin, require_admin
 from web.forms import validated_config
 from web.logsafe import printable

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from arguments import EXPERIMENT_ARGUMENTS, SECRET_SETTINGS, ConfigError, to_config, validate_config
+from arguments import EXPERIMENT_ARGUMENTS, SECRET_SETTINGS, to_config, validate_config
+from collab.errors import ConfigError
 
 TRUE_VALUES = frozenset({"on", "true", "1", "yes"})
 

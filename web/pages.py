@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from arguments import ConfigError
+from collab.errors import ConfigError
 from web.api import ExperimentId
 from web.auth import SESSION_COOKIE, SESSION_MAX_AGE, is_admin, new_session_id, same, session_key
 from web.forms import config_from_form, display_values, form_sections, validated_config

@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import arguments
-from arguments import MAX_CONFIG_BYTES, ConfigError, load_config
+from arguments import MAX_CONFIG_BYTES, load_config
+from collab.errors import ConfigError
 
 SMALL = {"target_batch_size": 128}
 

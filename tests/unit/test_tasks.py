@@ -206,7 +206,8 @@ def test_predict_prints_a_span_and_a_label_and_rejects_bad_input(tokenizer, tmp_
 
 
 def test_task_flag_is_a_choice(tmp_path):
-    from arguments import ConfigError, parse_args
+    from arguments import parse_args
+    from collab.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--task: invalid choice"):
         parse_args([DatasetArguments], ["--task", "ner"])

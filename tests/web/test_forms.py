@@ -12,11 +12,11 @@ import pytest
 from arguments import (
     EXPERIMENT_ARGUMENTS,
     SECRET_SETTINGS,
-    ConfigError,
     OptimizerArguments,
     to_config,
     validate_config,
 )
+from collab.errors import ConfigError
 from tests.web.helpers import default_form
 from web.forms import config_from_form, display_values, form_sections, validated_config, widget_kind
 from web.pages import join_commands
