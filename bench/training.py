@@ -175,10 +175,10 @@ def collab_pair(
 def held_out_loss(folder: Path) -> float:
     from transformers import AutoModelForMaskedLM
 
-    from arguments import DatasetArguments
+    from arguments import MASKED_LM, DatasetArguments
     from trainer.data import load_split
     from trainer.evaluate import language_model_loss
-    from trainer.model import MASKED_LM, load_tokenizer
+    from trainer.model import load_tokenizer
 
     dataset_args = DatasetArguments()
     validation = load_split(dataset_args.dataset_path, "validation")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from arguments import DatasetArguments, TrainingArguments
+from arguments import MASKED_LM, DatasetArguments, TrainingArguments
 from collab.checkpoint import latest_checkpoint
 from trainer.local import LocalProcess, MonitorProcess, PeerProcess
 
@@ -63,7 +63,7 @@ def held_out_losses(checkpoint: Path) -> tuple[float, float]:
 
     from trainer.data import load_split
     from trainer.evaluate import language_model_loss
-    from trainer.model import MASKED_LM, build_model, load_tokenizer
+    from trainer.model import build_model, load_tokenizer
 
     dataset_args = DatasetArguments()
     tokenizer = load_tokenizer(dataset_args)

@@ -21,7 +21,7 @@ from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CAUSAL_LM", "MASKED_LM", "build_model", "language_modeling_task", "load_tokenizer"]
+__all__ = ["build_model", "language_modeling_task", "load_tokenizer"]
 
 
 def language_modeling_task(model_type: str) -> str:
