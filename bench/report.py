@@ -353,9 +353,9 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   mean of the plain pairs around it. target_batch_size is the power of two (at least 1024) that the plain pair needs
   about 9 s to reach, as an epoch of the CPU default lasts: a GPU would finish 1024 samples in a fraction of
   matchmaking_time.
-- **wan** (`python -m bench --only wan`, `bench/wan.py`): three peers, each in its own network namespace, joined
-  through a bridge in a hub namespace; each peer's upload is shaped with tbf on its end of its veth pair and its
-  download on the hub's end. Bytes are the kernel's counters of each peer's link (`ip -j -s link`), both directions,
+- **wan** (`python -m bench --only wan`, `bench/wan.py`): three peers (two for shadow compute, whose 124M-parameter
+  peers take about 8 GB each), each in its own network namespace, joined through a bridge in a hub namespace; each
+  peer's upload is shaped with tbf on its end of its veth pair and its download on the hub's end. Bytes are the kernel's counters of each peer's link (`ip -j -s link`), both directions,
   over the measured window, per parameter and per step (a global epoch in synchronous mode, an inner step in
   low-communication mode). Peers start on fast links (the newcomers' state download is not measured), then the links
   are shaped, one epoch passes and the window opens. The same peers, each training alone in its own experiment on the

@@ -138,7 +138,9 @@ class Plan:
     seconds: float = 120.0  # measured window of each throughput run
     lowcomm_variants: dict = dataclasses.field(default_factory=dict)
     loss_steps_per_peer: int = 1000  # inner steps (micro-batches of 16) of each peer in each loss run
-    shadow_peers: int = 3
+    # 124M-parameter shadow peers hold about 8 GB each (proportional set size while averaging, 64 bytes a
+    # parameter): two fit in 24 GB beside everything else, three do not.
+    shadow_peers: int = 2
     shadow_layers: int = 12
     shadow_seconds: float = 120.0
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
@@ -177,13 +179,15 @@ def trainer_has_flag(name: str) -> bool:
     return any(field.name == name for group in TRAINER_ARGUMENTS for field in dataclasses.fields(group))
 
 
-def gradient_rounds(events_path: Path) -> int | None:
-    """Gradient rounds a peer completed, from its events file (``averaged`` events); None where it wrote none."""
+def gradient_rounds(events_path: Path, start: float, end: float) -> int | None:
+    """Gradient (or pseudo-gradient) rounds a peer completed between ``start`` and ``end``, from its events file;
+    None where it wrote none."""
     if not events_path.exists():
         return None
     from collab.events import read_events
 
-    return sum(1 for record in read_events(events_path, "averaged") if record.get("kind") == "gradients")
+    averaged = read_events(events_path, "averaged")
+    return sum(1 for record in averaged if record.get("kind") != "parameters" and start < record["time"] <= end)
 
 
 def slow_link_flags(rate_mbit: float) -> list[str]:
@@ -311,7 +315,7 @@ def run_swarm(
         "link_bytes": traffic,
         "samples": [sum(s[1] for s in peer) for peer in records()],
         # a round given up lets a peer go on with its own gradients: a swarm that averages rarely looks fast
-        "averaging_rounds": [gradient_rounds(path) for path in events],
+        "averaging_rounds": [gradient_rounds(path, start, end) for path in events],
         "models": outputs,
     }
 
