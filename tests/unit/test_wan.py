@@ -182,3 +182,18 @@ def test_window_holds_two_epochs_within_bounds():
     assert window_s(120.0, 20.0) == 120.0
     assert window_s(120.0, 100.0) == 200.0
     assert window_s(120.0, 1000.0) == MAX_WINDOW_S
+
+
+def test_bench_summary_line_and_report_carry_the_wan_part():
+    import json
+
+    from bench import report
+    from bench.__main__ import summarize as bench_summary
+
+    figures = {"wan": wan_figures({"H 50, 8bit": _run(90.0, efficiency=0.9, bits_per_param_per_step=0.08)})}
+    line = json.loads(bench_summary(figures))
+    assert line["wan_efficiency_sync"] == 0.2 and line["wan_efficiency_lowcomm"] == 0.9
+    assert line["bits_per_param_per_step"] == {"shadow_sync": 33.0, "sync": 40.0, "H 50, 8bit": 0.08}
+    assert json.loads(bench_summary({}))["wan_efficiency_sync"] is None
+    header = {"date": "2026-11-25", "command": "make bench", "wall_min": 1.0, "machine": "test"}
+    assert "## 8. Emulated wide-area network" in report.render(header, figures, json.dumps(line))
