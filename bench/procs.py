@@ -133,6 +133,10 @@ def shaped_link(rate_mbit: float, names: tuple[str, str] = ("bench_a", "bench_b"
                 _ip("netns", "del", name)
 
 
+class NamespacesUnavailable(OSError):
+    """This machine does not let the benchmark make network namespaces, links or qdiscs (not root, no iproute2)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WanPeer:
     """One emulated site: its namespace, its address on the hub's subnet and its end of the link (inside netns)."""
@@ -183,7 +187,7 @@ def hub_network(
     Each peer's upload is shaped with tbf on its own end of the veth pair and its download on the hub's end, so every
     site has its own access link, as home or office peers on the internet do. The subnet exists only inside these
     namespaces. Everything is deleted on exit however the block ends (deleting a namespace deletes its links); a stale
-    set of the same names, left by a killed run, is deleted first. Raises OSError where namespaces are unavailable.
+    set of the same names, left by a killed run, is deleted first. NamespacesUnavailable where they are not allowed.
     """
     if not 2 <= peers <= 200:
         raise ValueError(f"peers must be 2 to 200, not {peers}")
@@ -196,7 +200,7 @@ def hub_network(
         except (subprocess.CalledProcessError, FileNotFoundError) as e:
             detail = getattr(e, "stderr", b"") or b""
             detail = detail if isinstance(detail, str) else detail.decode(errors="replace")
-            raise OSError(f"network namespaces unavailable: {e} {detail.strip()}") from None
+            raise NamespacesUnavailable(f"network namespaces unavailable: {e} {detail.strip()}") from None
         yield network
     finally:
         for name in reversed(created):

@@ -79,16 +79,21 @@ class ShadowModel(torch.nn.Module):
 
 
 def run_shadow(peer_args, optimizer_args, averager_args, tracker_args, training_args, shadow_args, stop) -> None:
+    from collab import events
     from collab.dht import start_dht
     from collab.optim import build_optimizer, finish_delayed_updates
     from collab.schema import make_validators
 
+    events.open_event_log(peer_args.events_path)
     training_args.per_device_train_batch_size = MICRO_BATCH
     training_args.gradient_accumulation_steps = 1
     model = ShadowModel(shadow_args.layers)
     logger.info("Shadow model: %.1fM parameters", shadow_numel(shadow_args.layers) / 1e6)
     validators, _ = make_validators(peer_args.experiment_prefix)
     dht = start_dht(peer_args, validators)
+    events.emit(
+        "joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=peer_args.client_mode
+    )
     optimizer = None
     try:
         optimizer = build_optimizer(model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args)

@@ -25,8 +25,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.formulas import MBIT, allreduce_bytes_per_peer, ratio
-from bench.procs import ONE_THREAD, Child, HubNetwork, children, hub_network, read_json_lines, wait_for
-from trainer.local import JOIN_LINE
+from bench.procs import (
+    ONE_THREAD,
+    Child,
+    HubNetwork,
+    NamespacesUnavailable,
+    children,
+    hub_network,
+    read_json_lines,
+    wait_for,
+)
 
 FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per parameter per token
 FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
@@ -240,7 +248,6 @@ def run_swarm(
     outputs = [log_dir / f"{name}_{rank}_model" for rank in range(len(network.peers))]
     for path in steps + events:
         path.unlink(missing_ok=True)
-    with_events = trainer_has_flag("events_path")
     barrier = module == "bench.shadow"  # shadow peers start stepping together (see bench.shadow --start_file)
     start_file = log_dir / f"{name}.start"
     ready = [log_dir / f"{name}_{rank}.ready" for rank in range(len(network.peers))]
@@ -263,20 +270,17 @@ def run_swarm(
                     *join,
                     "--output_dir",
                     outputs[rank],
-                    *(["--events_path", events[rank]] if with_events and not barrier else []),
                     *(["--ready_file", ready[rank], "--start_file", start_file] if barrier else []),
                 ],
                 log_dir / f"{name}_{rank}.log",
                 timeout,
                 env=ONE_THREAD,
                 netns=peer.netns,
+                events_path=events[rank],
             )
             started.append(child)
             if together and not join:
-                found = wait_for(
-                    lambda child=child: JOIN_LINE.search(child.log()), 180, "the first address", 1, started
-                )
-                join = found.group(1).split()
+                join = child.join_flags(180)
         if barrier:
             wait_for(lambda: all(path.exists() for path in ready), 600, f"{name}: every peer ready", 1, started)
             start_file.touch()
@@ -366,11 +370,10 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
             losses = {}
             for mode, flags in (("sync", []), ("lowcomm", list(plan.loss_variant))):
                 run = run_swarm(network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_samples=stop)
-                losses[mode] = {
-                    "samples": run["samples"],
-                    "losses": [held_out_loss(folder) for folder in run["models"]],
-                }
-            mean = {mode: sum(v["losses"]) / len(v["losses"]) for mode, v in losses.items()}
+                # a peer whose clean shutdown ran past its deadline saved no model
+                saved = [folder for folder in run["models"] if (Path(folder) / "config.json").exists()]
+                losses[mode] = {"samples": run["samples"], "losses": [held_out_loss(folder) for folder in saved]}
+            mean = {mode: sum(v["losses"]) / len(v["losses"]) if v["losses"] else None for mode, v in losses.items()}
             loss = {**losses, "ratio": ratio(mean["lowcomm"], mean["sync"]), "variant": " ".join(plan.loss_variant)}
         progress("wan: loss")
     return {
@@ -437,7 +440,7 @@ def measure(
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         return {"setting": dataclasses.asdict(SETTING)} | {way: WAYS[way](plan, log_dir, progress) for way in ways}
-    except OSError as e:
+    except NamespacesUnavailable as e:
         return {"skipped": str(e)}
 
 
