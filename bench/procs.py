@@ -133,6 +133,16 @@ def shaped_link(rate_mbit: float, names: tuple[str, str] = ("bench_a", "bench_b"
                 _ip("netns", "del", name)
 
 
+MAX_RATE_MBIT = 100_000.0
+
+
+def check_rates(*rates_mbit: float) -> None:
+    """ValueError unless every rate is a number of Mbit/s above 0 and at most MAX_RATE_MBIT (what tbf is given)."""
+    for rate in rates_mbit:
+        if not 0 < rate <= MAX_RATE_MBIT:
+            raise ValueError(f"a link rate must be above 0 and at most {MAX_RATE_MBIT:g} Mbit/s, not {rate}")
+
+
 class NamespacesUnavailable(OSError):
     """This machine does not let the benchmark make network namespaces, links or qdiscs (not root, no iproute2)."""
 
@@ -162,6 +172,7 @@ class HubNetwork:
 
     def set_rates(self, upload_mbit: float, download_mbit: float) -> None:
         """Reshape every peer's link in place (``tc qdisc replace``); connections stay up."""
+        check_rates(upload_mbit, download_mbit)
         for rank, peer in enumerate(self.peers):
             _tc(peer.netns, peer.device, upload_mbit, "replace")
             _tc(self.hub, f"{self.prefix}_h{rank}", download_mbit, "replace")
@@ -191,6 +202,7 @@ def hub_network(
     """
     if not 2 <= peers <= 200:
         raise ValueError(f"peers must be 2 to 200, not {peers}")
+    check_rates(upload_mbit, download_mbit)
     hub = f"{prefix}_hub"
     names = [f"{prefix}_{rank}" for rank in range(peers)]
     created: list[str] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import subprocess
@@ -197,3 +198,9 @@ def test_bench_summary_line_and_report_carry_the_wan_part():
     assert json.loads(bench_summary({}))["wan_efficiency_sync"] is None
     header = {"date": "2026-11-25", "command": "make bench", "wall_min": 1.0, "machine": "test"}
     assert "## 8. Emulated wide-area network" in report.render(header, figures, json.dumps(line))
+
+
+def test_link_rates_are_bounded_before_anything_is_made():
+    for rate in (0.0, -1.0, math.nan, math.inf, 1e9):
+        with pytest.raises(ValueError, match="link rate"), hub_network(2, rate, 10.0, prefix="wantest"):
+            pass
