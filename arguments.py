@@ -594,6 +594,10 @@ MONITOR_ARGUMENTS: tuple[type, ...] = (
 )
 # Settings that are credentials: never shown in the web form nor stored in an experiment's config.
 SECRET_SETTINGS = frozenset({"web_token"})
+# Paths on the machine that runs the program: where it writes files (or, for resume_from, what it loads). They come
+# from its own command line or a local JSON file, never from a config URL: a web app must not pick files on a
+# volunteer's disk (output_dir is replaced whole when the model is saved).
+LOCAL_SETTINGS = frozenset({"identity_path", "events_path", "output_dir", "metrics_path", "repo_path", "resume_from"})
 # One experiment config (a JSON file or the web app's) holds the settings of both programs; each takes its own.
 EXPERIMENT_ARGUMENTS: tuple[type, ...] = tuple(dict.fromkeys(TRAINER_ARGUMENTS + MONITOR_ARGUMENTS))
 
@@ -689,7 +693,7 @@ def load_config(source: str, token: str | None = None) -> dict[str, Any]:
     """Read a JSON config (at most MAX_CONFIG_BYTES) from a file or an http(s) URL (the web app's
     /api/experiments/{id}/config)."""
     try:
-        if source.startswith(("http://", "https://")):
+        if is_url(source):
             return json.loads(_download_config(source, token))
         return json.loads(_read_config_file(source))
     except ConfigError:
@@ -700,6 +704,31 @@ def load_config(source: str, token: str | None = None) -> dict[str, Any]:
         raise ConfigError(f"--config: {source} is not valid JSON ({e})") from None
     except Exception as e:
         raise ConfigError(f"--config: could not read {source} ({e})") from None
+
+
+def is_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def flags_in(argv: Sequence[str]) -> set[str]:
+    """``{"output_dir", ...}`` for ``["--output_dir=x", ...]``: the settings given on the command line."""
+    return {item[2:].partition("=")[0] for item in argv if item.startswith("--")}
+
+
+def without_local_settings(config: Any, source: str, given: set[str]) -> Any:
+    """``config`` without LOCAL_SETTINGS; ConfigError naming the first one set to anything but its default (configs
+    stored by older web apps list every key) unless the command line gives it (``given``) and so overrides it."""
+    if not isinstance(config, dict):
+        return config
+    defaults = {name: f.default for name, f in field_names(EXPERIMENT_ARGUMENTS).items()}
+    for key in sorted(LOCAL_SETTINGS & config.keys() - given):
+        if config[key] is not None and config[key] != defaults.get(key):
+            raise ConfigError(
+                f"--{key}: a path on this machine is never taken from a config URL ({source}); "
+                "pass it on the command line",
+                key,
+            )
+    return {key: value for key, value in config.items() if key not in LOCAL_SETTINGS}
 
 
 def split_config_flags(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -732,9 +761,12 @@ def parse_args(dataclass_types: Sequence[type], argv: Sequence[str] | None = Non
         parser.print_help()
         raise SystemExit(0)
     config_source, token, rest = split_config_flags(argv)
-    config_argv = (
-        config_to_argv(load_config(config_source, token), dataclass_types, config_source) if config_source else []
-    )
+    config_argv = []
+    if config_source:
+        config = load_config(config_source, token)
+        if is_url(config_source):
+            config = without_local_settings(config, config_source, flags_in(rest))
+        config_argv = config_to_argv(config, dataclass_types, config_source)
     try:
         return parser.parse_args_into_dataclasses(args=config_argv + rest)
     except ConfigError:

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from collab.access import issue_token, load_authority_key, new_authority_key, token_to_json, verify_join_proof
 from collab.errors import ConfigError
 from web.auth import ANY_MEMBER, MONITOR_ONLY, check_experiment_access, is_admin, require_admin
-from web.forms import validated_config
+from web.forms import served_config, validated_config
 from web.logsafe import printable
 from web.store import INT64_MAX, MONITOR, PEER, Checkpoint, Experiment, Store
 from web.upload import receive_upload
@@ -221,11 +221,11 @@ def get_config(
 ) -> dict[str, Any]:
     """The JSON config for ``run_trainer.py --config URL`` and ``run_training_monitor.py --config URL``."""
     if version is None:
-        return experiment.config
+        return served_config(experiment.config)
     old = store_of(request).experiment(experiment.id, version)
     if old is None:
         raise HTTPException(404, f"experiment {experiment.id} has no version {version}")
-    return old.config
+    return served_config(old.config)
 
 
 @router.post("/experiments/{experiment_id}/join")

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from arguments import EXPERIMENT_ARGUMENTS, SECRET_SETTINGS, to_config, validate_config
+from arguments import EXPERIMENT_ARGUMENTS, LOCAL_SETTINGS, SECRET_SETTINGS, to_config, validate_config
 from collab.errors import ConfigError
 
 TRUE_VALUES = frozenset({"on", "true", "1", "yes"})
@@ -86,9 +86,9 @@ def widget_kind(annotation: Any, metadata: Mapping[str, Any]) -> tuple[str, bool
 
 
 def form_sections(
-    dataclass_types: Sequence[type] = EXPERIMENT_ARGUMENTS, secret: frozenset[str] = SECRET_SETTINGS
+    dataclass_types: Sequence[type] = EXPERIMENT_ARGUMENTS, secret: frozenset[str] = SECRET_SETTINGS | LOCAL_SETTINGS
 ) -> tuple[FormSection, ...]:
-    """The form's sections, in the order of ``dataclass_types``, without the secret settings."""
+    """The form's sections, in the order of ``dataclass_types``, without the secret and machine-local settings."""
     sections = []
     for dtype in dataclass_types:
         hints = typing.get_type_hints(dtype)
@@ -143,11 +143,23 @@ def display_values(config: Mapping[str, Any], sections: Sequence[FormSection]) -
 def validated_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config to store: every setting, validated exactly as the command line does, secrets left out.
 
-    Raises ConfigError (``.field`` names the setting) for a secret, an unknown key or any invalid value.
+    Raises ConfigError (``.field`` names the setting) for a secret, a path on the peers' machines, an unknown key
+    or any invalid value.
     """
     for key in SECRET_SETTINGS & config.keys():
         raise ConfigError(
             f"--{key}: a credential is never stored in an experiment config; pass it on the command line", key
         )
+    for key in sorted(LOCAL_SETTINGS & config.keys()):
+        raise ConfigError(
+            f"--{key}: a path on the peers' own machines is never stored in an experiment config; "
+            "each peer passes it on its command line",
+            key,
+        )
     instances = validate_config(dict(config))  # values go in as --key=value: one that starts with '-' stays a value
-    return {key: value for key, value in to_config(*instances).items() if key not in SECRET_SETTINGS}
+    return served_config(to_config(*instances))
+
+
+def served_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What peers get: no secrets and no machine-local paths (configs stored by older versions still hold them)."""
+    return {key: value for key, value in config.items() if key not in SECRET_SETTINGS | LOCAL_SETTINGS}

@@ -11,6 +11,7 @@ import pytest
 
 from arguments import (
     EXPERIMENT_ARGUMENTS,
+    LOCAL_SETTINGS,
     SECRET_SETTINGS,
     OptimizerArguments,
     to_config,
@@ -30,7 +31,7 @@ def test_one_section_per_dataclass_in_order_without_secrets():
     assert SECTIONS[0].title == "Peer" and SECTIONS[1].title == "Optimizer"
     assert SECTIONS[3].title == "Progress Tracker"
     every = {f.name for d in EXPERIMENT_ARGUMENTS for f in dataclasses.fields(d)}
-    assert set(FIELDS) == every - SECRET_SETTINGS
+    assert set(FIELDS) == every - SECRET_SETTINGS - LOCAL_SETTINGS
     assert "web_token" not in FIELDS
 
 
@@ -45,7 +46,8 @@ def test_labels_help_defaults_and_widgets_come_from_the_dataclasses():
     )
     assert (FIELDS["learning_rate"].kind, FIELDS["learning_rate"].optional) == ("float", False)
     assert (FIELDS["use_ipfs"].kind, FIELDS["use_ipfs"].default) == ("bool", False)
-    assert (FIELDS["identity_path"].kind, FIELDS["identity_path"].optional) == ("text", True)
+    assert (FIELDS["authorization_url"].kind, FIELDS["authorization_url"].optional) == ("text", True)
+    assert not LOCAL_SETTINGS & FIELDS.keys()  # paths on the peers' machines are theirs to choose
     assert (FIELDS["upload_interval"].kind, FIELDS["upload_interval"].optional) == ("float", True)
 
 
@@ -76,26 +78,29 @@ def test_a_type_without_a_widget_is_refused():
 
 
 def test_unchecked_box_is_false_lists_split_by_line_empty_optional_is_none():
-    form = default_form(initial_peers="\n /ip4/1.2.3.4/tcp/1/p2p/X \n\n/ip4/5.6.7.8/tcp/2/p2p/Y\n", identity_path=" ")
+    form = default_form(
+        initial_peers="\n /ip4/1.2.3.4/tcp/1/p2p/X \n\n/ip4/5.6.7.8/tcp/2/p2p/Y\n", authorization_url=" "
+    )
     form.pop("fp16")
     config = config_from_form(form, SECTIONS)
     assert config["fp16"] is False and config["offload_optimizer"] is True
     assert config["initial_peers"] == ["/ip4/1.2.3.4/tcp/1/p2p/X", "/ip4/5.6.7.8/tcp/2/p2p/Y"]
-    assert config["identity_path"] is None
+    assert config["authorization_url"] is None
     assert config["target_batch_size"] == str(OptimizerArguments.target_batch_size)
 
 
 def test_display_values_show_defaults_and_keep_what_was_typed():
     values = display_values({}, SECTIONS)
     assert values["host_maddrs"] == "/ip4/127.0.0.1/tcp/0"
-    assert values["offload_optimizer"] is True and values["identity_path"] == ""
+    assert values["offload_optimizer"] is True and values["authorization_url"] == ""
     assert display_values({"target_batch_size": "-1x"}, SECTIONS)["target_batch_size"] == "-1x"
 
 
 def test_the_untouched_form_stores_the_command_line_defaults():
     stored = validated_config(config_from_form(default_form(), SECTIONS))
     expected = to_config(*validate_config({}))
-    expected.pop("web_token")
+    for key in SECRET_SETTINGS | LOCAL_SETTINGS:
+        expected.pop(key)
     assert stored == expected
 
 
@@ -117,6 +122,8 @@ def test_invalid_values_fail_like_the_command_line_naming_the_field():
         ({"web_token": "s3cret"}, "web_token"),
         ({"initial_peers": ["--config", "http://169.254.169.254/"]}, "initial_peers"),
         ({"no_such_setting": 1}, "no_such_setting"),
+        ({"output_dir": "/home"}, "output_dir"),
+        ({"events_path": "/root/.bashrc"}, "events_path"),
     ],
 )
 def test_secrets_flag_like_values_and_unknown_keys_are_refused(config, field_name):
@@ -126,7 +133,7 @@ def test_secrets_flag_like_values_and_unknown_keys_are_refused(config, field_nam
 
 
 def test_a_value_that_looks_like_a_flag_stays_a_value():
-    assert validated_config({"output_dir": "-h", "experiment_prefix": "--x"})["output_dir"] == "-h"
+    assert validated_config({"model_name_or_path": "-h", "experiment_prefix": "--x"})["model_name_or_path"] == "-h"
 
 
 def test_join_commands_are_ready_to_paste():

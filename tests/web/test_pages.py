@@ -87,7 +87,7 @@ def test_save_with_an_unchecked_box_then_edit_makes_version_two(client):
 def test_everything_typed_is_escaped(client):
     sign_in(client)
     name = '<script>alert("x")</script>'
-    client.post("/experiments/new", data=default_form(name=name, output_dir='"><img src=x onerror=alert(1)>'))
+    client.post("/experiments/new", data=default_form(name=name, model_name_or_path='"><img src=x onerror=alert(1)>'))
     for path in ("/", "/experiments/1", "/experiments/1/edit"):
         page = client.get(path).text
         assert "<script>alert" not in page and "<img src=x" not in page
