@@ -103,6 +103,7 @@ from hivemind.utils import asyncio as hivemind_asyncio
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from arguments import MonitorArguments, ProgressTrackerArguments
+from collab import events
 from monitor.aggregate import honest_step
 
 logger = logging.getLogger(__name__)
@@ -360,6 +361,7 @@ class StaleRoundWatchdog:
                     "epoch goes on with this peer's own values",
                     now - triggered_at,
                 )
+                events.emit("round_given_up", seconds=now - triggered_at)
             if done or stale:
                 with self._lock:
                     self._rounds.pop(control, None)

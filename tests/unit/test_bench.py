@@ -94,18 +94,17 @@ def test_round_lasts_from_the_last_trigger_to_the_last_finish():
         round_times([[(0.0, 1.0)], []])
 
 
-def test_a_slow_peers_counts_come_from_its_log():
-    log = "\n".join(
-        [
-            "Beginning optimizer step #4",
-            "Averaged gradients with 3 peers",
-            "Beginning optimizer step #5",
-            "Gave up an averaging round still looking for a group 7.5 s after this peer was ready",
-            "Beginning optimizer step #6",
-            "Averaged gradients with 2 peers",
-        ]
-    )
-    counts = peer_counts(log, peers=3)
+def test_a_slow_peers_counts_come_from_its_events():
+    events = [
+        {"event": "step_begun", "epoch": 4},
+        {"event": "averaged", "kind": "gradients", "group_size": 3},
+        {"event": "averaged", "kind": "parameters", "group_size": 3},
+        {"event": "step_begun", "epoch": 5},
+        {"event": "round_given_up", "seconds": 7.5},
+        {"event": "step_begun", "epoch": 6},
+        {"event": "averaged", "kind": "gradients", "group_size": 2},
+    ]
+    counts = peer_counts(events, peers=3)
     assert counts["steps"] == 3 and counts["averaged"] == 2 and counts["averaged_with_all"] == 1
     assert counts["given_up"] == 1 and counts["out_of_sync"] == 0
 
