@@ -123,9 +123,16 @@ def main(argv=None) -> int:
     from collab.entry import run_program
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    instrument(argv[0])
+    if not argv or argv[0].startswith("-"):
+        print("bench.shadow: error: the first argument is the steps file (STEPS.jsonl)", file=sys.stderr)
+        return 2
+
+    def run(*arguments, stop) -> None:  # the steps file is opened only once every flag has passed its checks
+        instrument(argv[0])
+        run_shadow(*arguments, stop=stop)
+
     groups = (PeerArguments, OptimizerArguments, AveragerArguments, ProgressTrackerArguments, TrainingArguments)
-    return run_program("bench.shadow", (*groups, ShadowArguments), run_shadow, argv[1:])
+    return run_program("bench.shadow", (*groups, ShadowArguments), run, argv[1:])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -109,6 +110,9 @@ def test_hub_shapes_and_counts_a_transfer(tmp_path):
         after = network.counters()
         names = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
         assert {"wantest_hub", "wantest_0", "wantest_1"} <= names
+        for peer in network.peers:  # the only route is the hub's subnet: a peer reaches no other host
+            routes = subprocess.run(["ip", "-n", peer.netns, "route"], capture_output=True, text=True).stdout
+            assert [line.split()[0] for line in routes.splitlines()] == ["10.79.0.0/24"]
     payload = int(PAYLOAD_MB * 1e6)
     for received, seconds in results:
         assert int(received) == payload
@@ -204,3 +208,24 @@ def test_link_rates_are_bounded_before_anything_is_made():
     for rate in (0.0, -1.0, math.nan, math.inf, 1e9):
         with pytest.raises(ValueError, match="link rate"), hub_network(2, rate, 10.0, prefix="wantest"):
             pass
+
+
+def test_shadow_arguments_are_bounded():
+    from arguments import ConfigError
+    from bench.shadow import ShadowArguments
+
+    for bad, flag in (({"layers": 0}, "--layers"), ({"micro_batch_s": math.nan}, "--micro_batch_s")):
+        with pytest.raises(ConfigError, match=f"^{flag}:"):
+            ShadowArguments(**bad)
+    with pytest.raises(ConfigError, match="^--micro_batch_s:"):
+        ShadowArguments(micro_batch_s=1e9)
+
+
+def test_shadow_peer_refuses_a_bad_flag_in_one_line_and_writes_nothing(tmp_path):
+    steps = tmp_path / "steps.jsonl"
+    command = [sys.executable, "-m", "bench.shadow", str(steps), "--layers", "49"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench.shadow: error: --layers: must be 1 to 48"), lines
+    assert not steps.exists()
