@@ -18,11 +18,11 @@ import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.compression import Float16Compression
-from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 
 from arguments import TrainingArguments
-from collab.hivemind_fixes import apply_entry_point_patches
+from collab.averagers import FiniteAverager, FiniteTrainingStateAverager
+from collab.hivemind_fixes import FixedDHT, apply_entry_point_patches
 from collab.optim import gradient_compression, lamb_factory
 from collab.schema import LocalMetrics, make_validators, metrics_key
 from trainer.local import wait_until
@@ -54,7 +54,7 @@ def start_dht(args, sync_dir: Path) -> hivemind.DHT:
     if args.rank > 0:
         wait_until(address.exists, PHASE_TIMEOUT, "the first peer's address", poll=0.2)
         initial = json.loads(address.read_text())
-    dht = hivemind.DHT(
+    dht = FixedDHT(
         start=True, initial_peers=initial, host_maddrs=[f"/ip4/{args.host}/tcp/0"], record_validators=validators
     )
     if args.rank == 0:
@@ -73,7 +73,7 @@ def publish_metrics(dht: hivemind.DHT, prefix: str, rank: int) -> None:
 
 def timed_rounds(dht, tensors, prefix: str, args) -> list[tuple[float, float]]:
     """``rounds`` all-reduce rounds after one warm-up; each ``(time the all-reduce was let go, time it ended)``."""
-    averager = hivemind.DecentralizedAverager(
+    averager = FiniteAverager(
         averaged_tensors=tensors,
         dht=dht,
         prefix=prefix,
@@ -117,7 +117,7 @@ def state_transfer(dht, shapes, prefix: str, args, sync_dir: Path) -> dict | Non
     """Rank 1 downloads rank 0's parameters and Lamb state (fp16); returns seconds and bytes for rank 1."""
     torch.manual_seed(args.rank)  # different values on each peer: a download is seen as a change
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
-    averager = TrainingStateAverager(
+    averager = FiniteTrainingStateAverager(
         dht=dht,
         optimizer=lamb_factory(TrainingArguments()),
         params=params,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from bench.formulas import allreduce_bound_s, median, ratio, round_times, transfer_bound_s
 from bench.procs import ONE_THREAD, Child, children, read_json, shaped_link, wait_for
+from collab.hivemind_fixes import FixedDHT
 from collab.schema import make_validators, read_metrics
 
 
@@ -134,13 +135,12 @@ def shaped_link_bench(sizes: list[int], rounds: int, bandwidth_mbit: float, log_
 
 def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, repeats: int = 5) -> float | None:
     """Median time of one ``monitor.run.refresh`` (read the metrics key, aggregate) from a new DHT node."""
-    import hivemind
 
     from arguments import MonitorArguments
     from monitor.run import MonitorState, refresh
 
     validators, _ = make_validators(prefix)
-    reader = hivemind.DHT(start=True, initial_peers=initial_peers, client_mode=True, record_validators=validators)
+    reader = FixedDHT(start=True, initial_peers=initial_peers, client_mode=True, record_validators=validators)
     try:
         wait_for(lambda: len(read_metrics(reader, prefix)) >= expected, 60, f"{expected} metric records")
         times = []

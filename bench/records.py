@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from bench.formulas import median
+from collab.hivemind_fixes import FixedDHT
 from collab.schema import LocalMetrics
 
 
@@ -49,14 +50,13 @@ def dht_read_ms(count: int, repeats: int = 3) -> dict:
     The records go through the same validators as a trainer's (schema and RSA signature); their subkeys carry one
     owner key plus a suffix, because making 1,000 RSA keys would take longer than the measurement.
     """
-    import hivemind
     from hivemind.utils import get_dht_time
 
     from collab.schema import make_validators, metrics_key, read_metrics
 
     prefix = f"bench_records_{int(time.time())}"
     validators, public_key = make_validators(prefix)
-    writer = hivemind.DHT(start=True, record_validators=validators)
+    writer = FixedDHT(start=True, record_validators=validators)
     reader = None
     try:
         expiration = get_dht_time() + 600
@@ -69,7 +69,7 @@ def dht_read_ms(count: int, repeats: int = 3) -> dict:
         ]
         stored = sum(bool(future.result(timeout=120)) for future in futures)
         reader_validators, _ = make_validators(prefix)
-        reader = hivemind.DHT(
+        reader = FixedDHT(
             start=True,
             initial_peers=[str(m) for m in writer.get_visible_maddrs()],
             client_mode=True,

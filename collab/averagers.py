@@ -179,6 +179,12 @@ class FiniteAveragingMixin:
                 raise ValueError("aux peers should not receive averaged tensors")
 
 
+class FiniteAverager(FiniteAveragingMixin, FixedDecentralizedAverager):
+    """A plain averager of any tensors with the trainers' fixes and checks (the benchmarks' all-reduce rounds)."""
+
+    round_kind = "tensor"
+
+
 class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecentralizedAverager):
     """hivemind's ``GradientAverager`` whose rounds refuse non-finite values (``grad_averager_factory=``)."""
 
