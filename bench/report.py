@@ -241,7 +241,9 @@ def scaling_section(scaling: dict) -> str:
 
 
 def _rounds_per_peer(run: dict) -> str:
-    return " / ".join(_f(rounds) for rounds in run.get("averaging_rounds", []))
+    given_up = run.get("rounds_given_up") or [None] * len(run.get("averaging_rounds", []))
+    pairs = zip(run.get("averaging_rounds", []), given_up, strict=True)
+    return " / ".join(f"{_f(done)} ({_f(skipped)})" for done, skipped in pairs)
 
 
 def wan_section(wan: dict) -> str:
@@ -292,7 +294,7 @@ def wan_section(wan: dict) -> str:
                 "efficiency",
                 "bits/param/step",
                 "window (s)",
-                "gradient rounds averaged, per peer",
+                "gradient rounds averaged (given up), per peer",
             ],
             rows,
         ),
@@ -355,14 +357,15 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   matchmaking_time.
 - **wan** (`python -m bench --only wan`, `bench/wan.py`): three peers (two for shadow compute, whose 124M-parameter
   peers take about 8 GB each), each in its own network namespace, joined through a bridge in a hub namespace; each
-  peer's upload is shaped with tbf on its end of its veth pair and its download on the hub's end. Bytes are the kernel's counters of each peer's link (`ip -j -s link`), both directions,
-  over the measured window, per parameter and per step (a global epoch in synchronous mode, an inner step in
-  low-communication mode). Peers start on fast links (the newcomers' state download is not measured), then the links
-  are shaped, one epoch passes and the window opens. The same peers, each training alone in its own experiment on the
-  same network, are the denominator of each efficiency. *Rate scaling* runs real `run_trainer.py` peers on links
-  slowed so that a synchronous round's time over an epoch's compute equals that of the setting named above the
-  table; *shadow compute* (`bench/shadow.py`) runs the real optimizer path on GPT-2-shaped gradients with a
-  calibrated wait for forward and backward (utilisation and traffic only, never loss).
+  peer's upload is shaped with tbf on its end of its veth pair and its download on the hub's end. Bytes are the
+  kernel's counters of each peer's link (`ip -j -s link`), both directions, over the measured window, per parameter
+  and per step (a global epoch in synchronous mode, an inner step in low-communication mode). Peers start on fast
+  links (the newcomers' state download is not measured), then the links are shaped, one epoch passes and the window
+  opens. The same peers, each training alone in its own experiment on the same network, are the denominator of each
+  efficiency. *Rate scaling* runs real `run_trainer.py` peers on links slowed so that a synchronous round's time over
+  an epoch's compute equals that of the setting named above the table; *shadow compute* (`bench/shadow.py`) runs the
+  real optimizer path on GPT-2-shaped gradients with a calibrated wait for forward and backward (utilisation and
+  traffic only, never loss). Rounds averaged and given up are the peers' `averaged` and `round_given_up` events.
 """
 
 

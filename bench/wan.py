@@ -187,15 +187,15 @@ def trainer_has_flag(name: str) -> bool:
     return any(field.name == name for group in TRAINER_ARGUMENTS for field in dataclasses.fields(group))
 
 
-def gradient_rounds(events_path: Path, start: float, end: float) -> int | None:
-    """Gradient (or pseudo-gradient) rounds a peer completed between ``start`` and ``end``, from its events file;
-    None where it wrote none."""
+def round_counts(events_path: Path, start: float, end: float, event: str) -> int | None:
+    """A peer's ``averaged`` gradient (or pseudo-gradient) rounds, or its ``round_given_up`` events, between ``start``
+    and ``end``, from its events file; None where it wrote none."""
     if not events_path.exists():
         return None
     from collab.events import read_events
 
-    averaged = read_events(events_path, "averaged")
-    return sum(1 for record in averaged if record.get("kind") != "parameters" and start < record["time"] <= end)
+    records = read_events(events_path, event)
+    return sum(1 for record in records if record.get("kind") != "parameters" and start < record["time"] <= end)
 
 
 def slow_link_flags(rate_mbit: float) -> list[str]:
@@ -318,7 +318,8 @@ def run_swarm(
         "link_bytes": traffic,
         "samples": [sum(s[1] for s in peer) for peer in records()],
         # a round given up lets a peer go on with its own gradients: a swarm that averages rarely looks fast
-        "averaging_rounds": [gradient_rounds(path, start, end) for path in events],
+        "averaging_rounds": [round_counts(path, start, end, "averaged") for path in events],
+        "rounds_given_up": [round_counts(path, start, end, "round_given_up") for path in events],
         "exit_codes": codes,
         "models": outputs,
     }

@@ -148,7 +148,9 @@ def wan_figures(lowcomm: dict) -> dict:
             "comm_to_compute": 12.2,
             "rate_mbit": 0.634,
             "alone": _run(100.0),
-            "sync": _run(20.0, efficiency=0.2, bits_per_param_per_step=40.0, averaging_rounds=[5, 6]),
+            "sync": _run(
+                20.0, efficiency=0.2, bits_per_param_per_step=40.0, averaging_rounds=[5, 6], rounds_given_up=[1, 0]
+            ),
             "lowcomm": lowcomm,
             "loss": None,
         },
@@ -178,7 +180,7 @@ def test_report_marks_variants_not_available_and_names_each_way():
     text = wan_section(wan_figures({"H 50, 8bit": None}))
     assert summarize(wan_figures({"H 50, 8bit": None}))["wan_efficiency_lowcomm"] is None
     assert "Not available in this run" in text and "H 50, 8bit" in text
-    assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | 40.00 | 60.00 | 5 / 6 |" in text
+    assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | 40.00 | 60.00 | 5 (1) / 6 (0) |" in text
     assert "| synchronous (shadow compute) | 100.000 |" in text
     assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
 
