@@ -15,6 +15,7 @@ This kernel has no ``sch_netem``: the links add no delay or loss, only a bandwid
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -304,7 +305,8 @@ def run_swarm(
         else:
             wait_for(lambda: time.time() >= start + seconds, seconds + 60, f"{name}: the window", 1, started)
         end, counters_end = time.time(), network.counters()
-        codes = [child.terminate() for child in started]
+        with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:  # all at once: none trains on meanwhile
+            codes = list(pool.map(lambda child: child.terminate(), started))
     window = window_figures(records(), start, end)
     traffic = [
         (after["tx_bytes"] - before["tx_bytes"]) + (after["rx_bytes"] - before["rx_bytes"])
