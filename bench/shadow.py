@@ -57,7 +57,7 @@ class ShadowArguments:
     )
 
     def __post_init__(self) -> None:
-        from arguments import ConfigError
+        from collab.errors import ConfigError
 
         if not 1 <= self.layers <= 48:
             raise ConfigError(f"--layers: must be 1 to 48 (got {self.layers})")

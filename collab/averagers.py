@@ -418,6 +418,12 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, hivemind.Optimizer):
     """``hivemind.Optimizer`` whose parameter rounds run in a ``FiniteTrainingStateAverager``; pass
     ``grad_averager_factory=FiniteGradientAverager`` for its gradient rounds."""
 
+    state_averager_class: type[TrainingStateAverager] = FiniteTrainingStateAverager
+
+    def _state_averager_options(self) -> dict:
+        """Keyword arguments of ``state_averager_class`` beyond hivemind's (a subclass adds its own)."""
+        return {}
+
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SpacedProgressTracker:
         """hivemind's ``Optimizer._make_progress_tracker``, with ``SpacedProgressTracker``."""
         return SpacedProgressTracker(
@@ -431,8 +437,9 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, hivemind.Optimizer):
         )
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        """hivemind's ``Optimizer._make_state_averager``, with ``FiniteTrainingStateAverager``."""
-        return FiniteTrainingStateAverager(
+        """hivemind's ``Optimizer._make_state_averager``, with ``state_averager_class`` and its own options."""
+        return self.state_averager_class(
+            **self._state_averager_options(),
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,

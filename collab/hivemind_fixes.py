@@ -104,7 +104,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from arguments import MonitorArguments, ProgressTrackerArguments
 from collab import events
-from monitor.aggregate import honest_step
+from collab.schema import honest_step
 
 logger = logging.getLogger(__name__)
 

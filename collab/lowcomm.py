@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
-from hivemind.optim.state_averager import TrainingStateAverager
 
 from collab.averagers import (
     FiniteAveragingOptimizer,
@@ -234,25 +233,10 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
             **kwargs,
         )
 
-    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        """hivemind's ``Optimizer._make_state_averager``, with ``LowCommStateAverager``."""
-        return LowCommStateAverager(
-            inner_scheduler=self._inner_scheduler,
-            dht=self.dht,
-            prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout,
-            shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode,
-            auxiliary=self.auxiliary,
-            run_id=self.run_id,
-            start=True,
-            **kwargs,
-        )
+    state_averager_class = LowCommStateAverager
+
+    def _state_averager_options(self) -> dict:
+        return {"inner_scheduler": self._inner_scheduler}
 
     def _make_gradient_averager(self, factory, **kwargs):
         factory = partial(PseudoGradientAverager, state_averager=self.state_averager, codec=self.codec)

@@ -12,6 +12,7 @@ type instead of restating the rules.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import pydantic.v1
 from hivemind.dht.crypto import RSASignatureValidator
@@ -68,6 +69,18 @@ class _LocalMetricsRecord:
 
 class MetricSchema(pydantic.v1.BaseModel):
     metrics: dict[BytesWithPublicKey, _LocalMetricsRecord]
+
+
+def honest_step(steps: Sequence[int], step_lag: int) -> int:
+    """The swarm's global step by its honest majority: the newest step at most ``step_lag`` past the lower median.
+
+    A minority of records (one liar, or several) cannot move it by more than ``step_lag``, however far ahead they
+    claim to be. The price: when most peers leave at once, their records hold the step at theirs until they expire
+    (statistics_expiration), since a lone peer running ahead looks the same as a liar.
+    """
+    ordered = sorted(steps)
+    limit = ordered[(len(ordered) - 1) // 2] + step_lag
+    return max(step for step in ordered if step <= limit)
 
 
 def metrics_key(experiment_prefix: str) -> str:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from arguments import MonitorArguments
-from collab.schema import LocalMetrics, parse_metrics
+from collab.schema import LocalMetrics, honest_step, parse_metrics
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,6 @@ def live_metrics(records: Mapping[Any, tuple[Any, float]], now: float) -> dict[A
         if metrics is not None:
             alive[peer] = metrics
     return alive
-
-
-def honest_step(steps: Sequence[int], step_lag: int) -> int:
-    """The swarm's global step by its honest majority: the newest step at most ``step_lag`` past the lower median.
-
-    A minority of records (one liar, or several) cannot move it by more than ``step_lag``, however far ahead they
-    claim to be. The price: when most peers leave at once, their records hold the step at theirs until they expire
-    (statistics_expiration), since a lone peer running ahead looks the same as a liar.
-    """
-    ordered = sorted(steps)
-    limit = ordered[(len(ordered) - 1) // 2] + step_lag
-    return max(step for step in ordered if step <= limit)
 
 
 def far_ahead(alive: Mapping[Any, LocalMetrics], step: int) -> list[Any]:

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collab.schema import MAX_STEP
-from monitor.aggregate import aggregate, far_ahead, format_line, honest_step, live_metrics
+from collab.schema import MAX_STEP, honest_step
+from monitor.aggregate import aggregate, far_ahead, format_line, live_metrics
 from tests.conftest import metrics_record
 
 NOW = 1000.0

@@ -8,12 +8,12 @@ from transformers import AutoModelForMaskedLM
 
 from arguments import (
     AveragerArguments,
-    ConfigError,
     OptimizerArguments,
     PeerArguments,
     ProgressTrackerArguments,
     TrainingArguments,
 )
+from collab.errors import ConfigError
 from collab.lowcomm import (
     LowCommOptimizer,
     OuterNesterov,
