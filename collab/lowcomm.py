@@ -60,13 +60,12 @@ def rebase_(current: torch.Tensor, new_anchor: torch.Tensor, reference: torch.Te
     reference.copy_(new_anchor)
 
 
-LAMB_STEP_OUTPUTS = ("weight_norm", "adam_norm", "trust_ratio")  # written by each Lamb step, never read by it
-
-
 def shared_inner_state(inner_state: dict) -> dict:
     """The inner optimizer's ``state_dict`` without Lamb's per-step outputs, which peers could not exchange: Lamb
     makes ``trust_ratio`` a Python 1 where a norm is 0, so peers that stepped on different batches would hold
     different layouts and refuse each other's state."""
+    from collab.optim import LAMB_STEP_OUTPUTS  # collab.optim imports this module
+
     state = {
         index: {key: value for key, value in param_state.items() if key not in LAMB_STEP_OUTPUTS}
         for index, param_state in inner_state["state"].items()

@@ -70,11 +70,30 @@ def gradient_compression(name: str) -> CompressionBase:
     return Float16Compression()
 
 
+LAMB_STEP_OUTPUTS = ("weight_norm", "adam_norm", "trust_ratio")  # written by each Lamb step, never read by it
+
+
+class SameLayoutLamb(Lamb):
+    """Lamb whose state always holds its step outputs as tensors. Lamb makes ``trust_ratio`` a Python 1 where a norm
+    is 0 (a parameter with no gradient yet), which changes the tensors a peer shares: the monitor or a newcomer then
+    refuses its state for the wrong layout (hivemind itself failed there with IndexError)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for param_state in self.state.values():
+            for key in LAMB_STEP_OUTPUTS:
+                value = param_state.get(key)
+                if value is not None and not torch.is_tensor(value):
+                    param_state[key] = torch.tensor(float(value))
+        return loss
+
+
 def lamb_factory(training_args: TrainingArguments) -> Callable:
     """``params -> Lamb``: hivemind builds the optimizer itself (needed for offloading)."""
 
     def make_lamb(params):
-        lamb = Lamb(
+        lamb = SameLayoutLamb(
             params,
             lr=training_args.learning_rate,
             betas=(training_args.adam_beta1, training_args.adam_beta2),

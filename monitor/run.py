@@ -48,6 +48,11 @@ class MonitorState:
     last_step: int | None = None
     pending_evaluation: dict[str, float] = field(default_factory=dict)
     logged_liars: set = field(default_factory=set)
+    # how far the last step reported may be past the swarm's before it is taken for a liar's: the swarm's step dips
+    # by a few epochs when records of dead peers drag the median down, and reporting must not go back then
+    step_tolerance: int = default_epoch_tolerance(
+        MonitorArguments.alive_step_lag, OptimizerArguments.load_state_timeout
+    )
 
 
 def is_new_step(step: int, last_step: int | None) -> bool:
@@ -56,11 +61,11 @@ def is_new_step(step: int, last_step: int | None) -> bool:
     return last_step is None or step > last_step
 
 
-def last_step_within_reach(last_step: int | None, step: int, step_lag: int) -> int | None:
-    """``last_step``, or None when it is more than ``step_lag`` past the swarm's honest ``step``: a step no honest
+def last_step_within_reach(last_step: int | None, step: int, tolerance: int) -> int | None:
+    """``last_step``, or None when it is more than ``tolerance`` past the swarm's honest ``step``: a step no honest
     majority reported (a liar's, written by an older version, or a previous run's), so reporting goes on from the
     swarm's step instead of waiting forever to pass it."""
-    return None if last_step is not None and last_step - step > step_lag else last_step
+    return None if last_step is not None and last_step - step > tolerance else last_step
 
 
 def peer_fingerprint(peer: bytes) -> str:
@@ -97,10 +102,10 @@ def refresh(
         logger.debug("No live metrics records yet")
         return
     log_far_ahead(alive, metrics.step, state.logged_liars)
-    reachable = last_step_within_reach(state.last_step, metrics.step, step_lag)
+    reachable = last_step_within_reach(state.last_step, metrics.step, state.step_tolerance)
     if reachable != state.last_step:
         logger.warning(
-            "The last step reported, %d, is more than alive_step_lag past the swarm's %d: no honest majority "
+            "The last step reported, %d, is far past the swarm's %d: no honest majority "
             "reached it (a liar's record or an earlier run); reporting goes on from the swarm's step",
             state.last_step,
             metrics.step,
@@ -167,7 +172,10 @@ def run_monitor(
         config.pop(secret, None)
     sinks = build_sinks(monitor_args, peer_args.experiment_prefix, token, config)
     averager = saver = uploader = None
-    state = MonitorState(last_step=last_step_in(monitor_args.metrics_path))
+    state = MonitorState(
+        last_step=last_step_in(monitor_args.metrics_path),
+        step_tolerance=default_epoch_tolerance(monitor_args.alive_step_lag, optimizer_args.load_state_timeout),
+    )
     if state.last_step is not None and not peer_args.initial_peers:
         logger.warning(
             "Restarted without --initial_peers: the peers forgot this node when it went down. If the collaboration "

@@ -63,7 +63,10 @@ def test_a_program_s_log_lines_cannot_be_forged():
     )
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
-    assert [line.split("peer-7", 1)[1] for line in lines if "peer-7" in line] == [
+    # one line per logger at least (transformers may print through its own handler and the root's)
+    tails = {line.split("peer-7", 1)[1] for line in lines if "peer-7" in line}
+    assert tails == {
         "\\n2026-11-25 12:00:00.000 [INFO] Saved checkpoint /repo/999\\r\\x1b[2K\\x1b[31mred\\u2028\\x85\\x00"
-    ] * 3, result.stderr
+    }, result.stderr
+    assert sum("peer-7" in line for line in lines) >= 3, result.stderr
     assert not any(line.startswith("2026-11-25") for line in lines)

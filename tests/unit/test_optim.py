@@ -18,6 +18,7 @@ from arguments import (
 )
 from collab.optim import (
     EIGHT_BIT_MIN_VALUES,
+    SameLayoutLamb,
     build_optimizer,
     finish_delayed_updates,
     gradient_compression,
@@ -205,3 +206,17 @@ def test_a_newcomer_loads_the_state_of_a_peer_that_has_stepped():
     for param in models[1].parameters():
         param.grad = torch.randn_like(param)
     newcomer.step()
+
+
+def test_lamb_state_keeps_one_layout_when_a_gradient_is_zero():
+    # A parameter whose gradient is all zeros (a head no batch reached yet) gets trust_ratio 1 from plain Lamb, a
+    # Python number: its state would pack into fewer tensors than a peer's whose gradient was not zero.
+    def stepped(optimizer_class):
+        params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+        optimizer = optimizer_class(params, lr=0.1)
+        params[0].grad, params[1].grad = torch.ones(3), torch.zeros(2)
+        optimizer.step()
+        return [optimizer.state[p]["trust_ratio"] for p in params]
+
+    assert not torch.is_tensor(stepped(Lamb)[1])
+    assert all(torch.is_tensor(ratio) for ratio in stepped(SameLayoutLamb))
