@@ -6,15 +6,14 @@ import email.policy
 import hashlib
 import os
 import shutil
-import threading
 import tracemalloc
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import collab.checkpoint
 from collab.checkpoint import Manifest, list_checkpoints, read_manifest, remove_partial_saves, write_checkpoint
 from monitor.upload import FolderTarget, HttpTarget, Uploader, write_archive
 from tests.conftest import optimizer_state
+from tests.http_server import QuietHandler, serving
 
 
 def test_folder_upload_removes_old_copies_only_after_the_new_one_is_on_disk(tmp_path, model, monkeypatch):
@@ -64,7 +63,7 @@ def test_an_old_copy_cut_off_between_the_two_renames_is_put_back(tmp_path, model
 def disk_server(body_path: Path):
     """An HTTP server on 127.0.0.1 that writes each POST body to ``body_path`` in 64 KiB pieces and answers 201."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self):
             left = int(self.headers["Content-Length"])
             with open(body_path, "wb") as f:
@@ -77,17 +76,8 @@ def disk_server(body_path: Path):
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/upload"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield f"{url}/upload"
 
 
 def test_http_upload_streams_the_archive_from_disk(tmp_path, model):

@@ -4,13 +4,13 @@ import contextlib
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 import arguments
 from arguments import MAX_CONFIG_BYTES, load_config
 from collab.errors import ConfigError
+from tests.http_server import QuietHandler, serving
 
 SMALL = {"target_batch_size": 128}
 
@@ -20,7 +20,7 @@ def config_server() -> Iterator[str]:
     """GET /small: a config; /declared-huge: a Content-Length past the cap; /endless: bytes until the client stops
     reading, with no Content-Length; /slow: a valid config a few bytes at a time."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self):
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -41,21 +41,13 @@ def config_server() -> Iterator[str]:
                     if self.path == "/slow":
                         stop.wait(0.05)
 
-        def log_message(self, *args):
-            pass
-
     stop = threading.Event()
     Handler.protocol_version = "HTTP/1.0"  # no Content-Length: the body ends when the connection closes
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        stop.set()
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(Handler) as url:
+        try:
+            yield url
+        finally:
+            stop.set()
 
 
 def test_a_config_url_is_read_up_to_the_cap(monkeypatch):

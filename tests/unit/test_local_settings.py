@@ -1,14 +1,11 @@
 """Paths on a peer's own machine come from its command line or a local file, never from a config URL."""
 
-import contextlib
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from arguments import TRAINER_ARGUMENTS, TrainingArguments, parse_args, parse_args_or_exit
+from tests.http_server import QuietHandler, serving
 
 CONFIGS = {
     "/hostile": {"target_batch_size": 64, "output_dir": "/home"},
@@ -18,28 +15,14 @@ CONFIGS = {
 }
 
 
-@contextlib.contextmanager
-def config_server() -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps(CONFIGS[self.path]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+class ConfigHandler(QuietHandler):
+    def do_GET(self):
+        body = json.dumps(CONFIGS[self.path]).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 def training_arguments(argv: list[str]) -> TrainingArguments:
@@ -48,7 +31,7 @@ def training_arguments(argv: list[str]) -> TrainingArguments:
 
 @pytest.mark.parametrize("path, flag", [("/hostile", "output_dir"), ("/events", "events_path")])
 def test_a_config_url_cannot_choose_a_path_on_this_machine(path, flag, capsys):
-    with config_server() as url, pytest.raises(SystemExit) as exit_info:
+    with serving(ConfigHandler) as url, pytest.raises(SystemExit) as exit_info:
         parse_args_or_exit(TRAINER_ARGUMENTS, ["--config", url + path], prog="run_trainer.py")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
@@ -58,7 +41,7 @@ def test_a_config_url_cannot_choose_a_path_on_this_machine(path, flag, capsys):
 
 
 def test_a_config_url_s_defaults_are_ignored_and_the_command_line_chooses(tmp_path):
-    with config_server() as url:
+    with serving(ConfigHandler) as url:
         assert training_arguments(["--config", url + "/old"]).output_dir == TrainingArguments.output_dir
         chosen = str(tmp_path / "mine")
         assert training_arguments(["--config", url + "/hostile", "--output_dir", chosen]).output_dir == chosen
