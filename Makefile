@@ -42,8 +42,9 @@ test-unit: setup
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
-# Figures, not tests: about 22 minutes on 2 cores (python -m bench --quick: a short smoke run). Needs root for
-# the network namespaces of the shaped-link part; without them that part is reported as skipped.
+# Figures, not tests: about 22 minutes on 2 cores plus about 40 for the emulated WAN (python -m bench --quick: a
+# short smoke run; python -m bench --only PART: one part). Needs root for the network namespaces of the shaped-link
+# and wan parts; without them those parts are reported as skipped.
 bench: setup
 	$(PY) -m bench
 
