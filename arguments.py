@@ -20,6 +20,7 @@ from typing import Any, Literal
 from transformers import HfArgumentParser
 
 from collab.errors import ConfigError
+from collab.names import MAX_PUBLIC_NAME_CHARS, public_name_problem
 from collab.wire import bearer_header
 
 # The kinds of training --task chooses, named once: trainer/tasks.py maps each to its model head, data and metrics.
@@ -366,9 +367,19 @@ class CollaborationArguments:
             "when peers have a newer state"
         },
     )
+    public_name: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Name shown beside this peer's contribution (samples, rounds, time online) on the dashboard and "
+            f"in the monitor's metrics: 1 to {MAX_PUBLIC_NAME_CHARS} printable characters; unset: a short hash of "
+            "the peer's public key only. Anyone can read it"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require_positive(self, "statistics_expiration", "backup_every_steps")
+        if self.public_name is not None and (problem := public_name_problem(self.public_name)) is not None:
+            _fail("public_name", problem)
 
 
 @dataclass
