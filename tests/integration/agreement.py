@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from trainer.local import LocalProcess
+
 
 def saved_parameters(output_dir: Path) -> dict[str, torch.Tensor]:
     """The parameters a peer saved in its --output_dir."""
@@ -31,3 +33,21 @@ def assert_finite(parameters: dict, peer: str) -> None:
     """Every value of every tensor finite; the message names ``peer`` and the first tensor that is not."""
     for name, tensor in parameters.items():
         assert torch.isfinite(tensor).all(), f"{peer} saved non-finite values in {name}"
+
+
+def evened_out(peer: LocalProcess, group_size: int, after_epoch: int, after_time: float = 0.0) -> bool:
+    """Whether ``peer`` took part in a parameter round of ``group_size`` or more peers that ended after it began epoch
+    ``after_epoch`` and after ``after_time`` (Unix time), and has begun two epochs since, so the round's parameters are
+    in place even when hivemind applies them one step late. Peers stopped once all have evened out agree; a round that
+    left one out (it came late, under load) does not count, so the tests wait for a full one instead of hoping."""
+    epoch_times = [(record["epoch"], record["time"]) for record in peer.events("epoch")]
+    started = [at for epoch, at in epoch_times if epoch >= after_epoch]
+    if not started:
+        return False
+    since = max(started[0], after_time)
+    rounds = [
+        record["time"]
+        for record in peer.events("averaged")
+        if record["kind"] == "parameters" and record["group_size"] >= group_size and record["time"] > since
+    ]
+    return bool(rounds) and sum(at > rounds[0] for _, at in epoch_times) >= 2

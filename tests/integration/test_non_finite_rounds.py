@@ -3,7 +3,7 @@ among themselves, stay finite and can agree again.
 
 Honest A and B and liar C (tests/liar_peer.py: every part C sends into a gradient or parameter round is inf) train
 together until A or B has refused C's values in a gradient round and in a parameter round. C then leaves, and A and
-B are compared after a parameter round at learning rate 0. While C takes part they need not agree: C's own finite
+B are compared after a parameter round of the two at learning rate 0, found in their events. While C takes part they need not agree: C's own finite
 values still enter the part of each round that C reduces (the limit collab/averagers.py states), and C, refused by
 the others, drifts. With hivemind's plain averagers this test fails: A's and B's Lamb steps turn the inf gradients
 into NaN parameters and their callbacks roll back.
@@ -16,13 +16,13 @@ import time
 
 import pytest
 
-from tests.integration.agreement import assert_finite, assert_parameters_agree, saved_parameters
+from tests.integration.agreement import assert_finite, assert_parameters_agree, evened_out, saved_parameters
 from trainer.local import LocalProcess, PeerProcess, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-# The learning rate decays to 0 at LR_ZERO_EPOCH (--total_steps). A and B are compared once both are two epochs past
-# it and past the epoch in which C left, after a parameter round without C at learning rate 0 (every 2nd epoch).
+# The learning rate decays to 0 at LR_ZERO_EPOCH (--total_steps); A and B are stopped once both have averaged their
+# parameters together after it and after C left (a round every 2nd epoch), so nothing moves them apart again.
 LR_ZERO_EPOCH = 5
 SETTINGS = [
     *("--target_batch_size", "128", "--matchmaking_time", "2", "--averaging_timeout", "15"),
@@ -60,11 +60,11 @@ def test_honest_peers_refuse_a_groupmates_inf_and_still_agree(tmp_path, sample_d
         )
         assert not any(map(rolled_back, honest)), "non-finite values reached A's or B's step: it rolled back"
         liar_code = c.stop(timeout=60)
-        compared_epoch = max(LR_ZERO_EPOCH, *(p.latest_epoch() for p in honest)) + 2
+        c_left = time.time()
         wait_until(
-            lambda: all(p.latest_epoch() >= compared_epoch for p in honest),
+            lambda: all(evened_out(peer, 2, LR_ZERO_EPOCH + 1, c_left) for peer in honest),
             240,
-            f"A and B to reach epoch {compared_epoch}",
+            "A and B to average their parameters together at learning rate 0 after C left",
         )
         for peer in honest:
             peer.process.send_signal(signal.SIGTERM)
