@@ -85,12 +85,15 @@ class CollaborativeCallback:
         experiment_prefix: str,
         statistics_expiration: float,
         backup_every_steps: int,
+        public_name: str | None = None,
     ):
         self.dht, self.optimizer, self.model = dht, optimizer, model
         self.local_public_key, self.key = local_public_key, metrics_key(experiment_prefix)
         self.statistics_expiration, self.backup_every_steps = statistics_expiration, backup_every_steps
         self.last_epoch = optimizer.local_epoch
         self.loss_sum, self.mini_steps, self.samples = 0.0, 0, 0
+        # what this peer has contributed: the epochs it published, in sync with the swarm, and their samples
+        self.public_name, self.contributed_samples, self.contributed_epochs = public_name, 0, 0
         self.backup = None
         self.rollbacks = 0
 
@@ -123,19 +126,25 @@ class CollaborativeCallback:
     def _end_epoch(self) -> EpochReport:
         self.last_epoch = epoch = self.optimizer.local_epoch
         samples_per_second = float(self.optimizer.local_progress.samples_per_second)
+        published = self.optimizer.is_synchronized_with_peers()
+        if published:
+            self.contributed_samples += self.samples
+            self.contributed_epochs += 1
         metrics = LocalMetrics(
             step=epoch,
             samples_per_second=samples_per_second if math.isfinite(samples_per_second) else 0.0,
             samples_accumulated=self.samples,
             loss=float(self.loss_sum),
             mini_steps=self.mini_steps,
+            contributed_samples=self.contributed_samples,
+            contributed_epochs=self.contributed_epochs,
+            public_name=self.public_name,
         )
-        published = self.optimizer.is_synchronized_with_peers()
         if published:
             self.dht.store(
                 key=self.key,
                 subkey=self.local_public_key,
-                value=metrics.model_dump(),
+                value=metrics.to_record(),
                 expiration_time=get_dht_time() + self.statistics_expiration,
                 return_future=True,
             )

@@ -11,15 +11,19 @@ type instead of restating the rules.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
+from typing import Annotated
 
 import pydantic.v1
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from collab.names import MAX_PUBLIC_NAME_CHARS, public_name_problem
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +36,28 @@ MAX_MINI_STEPS = 10**7
 # A mini-batch's loss (mean cross-entropy) is ln(vocabulary) ~ 10 at the start and stays below the largest fp16
 # logit gap (~1.3e5) even when training diverges, so a sum above 1e6 per mini-step is never an honest one.
 MAX_LOSS_PER_MINI_STEP = 1e6
+# A peer's samples over its whole life: 1e15 is a thousand years at the per-peer samples/s bound above.
+MAX_CONTRIBUTED_SAMPLES = 10**15
+
+
+def _valid_public_name(name: str) -> str:
+    problem = public_name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
+# The length is checked first, in compiled code, so a hostile megabyte of text costs nothing more to refuse.
+PublicName = Annotated[str, Field(max_length=MAX_PUBLIC_NAME_CHARS), AfterValidator(_valid_public_name)]
 
 
 class LocalMetrics(BaseModel):
     """One peer's progress over its last global epoch. ``loss`` is the sum over ``mini_steps`` mini-batches.
+
+    ``contributed_samples`` and ``contributed_epochs`` count what this peer (this key) did over every epoch it
+    published, this one included; ``public_name`` is the name its volunteer chose (collab/names.py), if any. A record
+    without them (an older peer) counts as contributing nothing. They are claims: the signature proves who, not how
+    much.
 
     Strict: no strings, floats or booleans where an int belongs, nothing negative, no NaN or infinity, nothing past
     the MAX_* bounds, no extra fields (an int where a float belongs is a number and is accepted).
@@ -48,6 +70,9 @@ class LocalMetrics(BaseModel):
     samples_accumulated: int = Field(ge=0, le=MAX_SAMPLES_ACCUMULATED)
     loss: float = Field(ge=0.0, allow_inf_nan=False)
     mini_steps: int = Field(ge=0, le=MAX_MINI_STEPS)
+    contributed_samples: int = Field(default=0, ge=0, le=MAX_CONTRIBUTED_SAMPLES)
+    contributed_epochs: int = Field(default=0, ge=0, le=MAX_STEP)
+    public_name: PublicName | None = None
 
     @model_validator(mode="after")
     def _loss_is_bounded_per_mini_step(self) -> LocalMetrics:
@@ -55,16 +80,21 @@ class LocalMetrics(BaseModel):
             raise ValueError(f"loss must be at most {MAX_LOSS_PER_MINI_STEP:g} per mini-step (mini_steps)")
         return self
 
+    def to_record(self) -> dict:
+        """The value a peer stores: without ``public_name`` when it has none."""
+        return self.model_dump(exclude_none=True)
+
 
 class _LocalMetricsRecord:
     """LocalMetrics as a pydantic v1 field type: validates with the model and gives back the plain dict.
 
-    hivemind's SchemaValidator compares the parsed value with the stored one, so a valid record must come back equal.
+    hivemind's SchemaValidator compares the parsed value with the stored one, so a valid record must come back equal:
+    fields the record left out (an older peer's) stay out.
     """
 
     @classmethod
     def __get_validators__(cls):
-        yield lambda value: LocalMetrics.model_validate(value).model_dump()
+        yield lambda value: LocalMetrics.model_validate(value).model_dump(exclude_unset=True)
 
 
 class MetricSchema(pydantic.v1.BaseModel):
@@ -81,6 +111,11 @@ def honest_step(steps: Sequence[int], step_lag: int) -> int:
     ordered = sorted(steps)
     limit = ordered[(len(ordered) - 1) // 2] + step_lag
     return max(step for step in ordered if step <= limit)
+
+
+def peer_fingerprint(public_key: bytes) -> str:
+    """A short, stable, printable name for a peer's public key (the key itself is hundreds of bytes)."""
+    return hashlib.sha256(public_key).hexdigest()[:12]
 
 
 def metrics_key(experiment_prefix: str) -> str:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from arguments import MonitorArguments
-from collab.schema import LocalMetrics, honest_step, parse_metrics
+from collab.schema import LocalMetrics, honest_step, parse_metrics, peer_fingerprint
+
+# Peers in each report (the most samples first) and peers remembered (the most recently seen): a swarm with churn,
+# or a stranger with many keys, meets ever more keys, and neither the report nor the monitor's memory may grow with it.
+MAX_CONTRIBUTORS_REPORTED = 100
+MAX_CONTRIBUTORS_TRACKED = 10_000
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,66 @@ def summarize(alive: Mapping[Any, LocalMetrics], now: float, step_lag: int) -> S
         samples_per_second=sum(m.samples_per_second for m in current),
         time=now,
     )
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What one peer (one public key) contributed, from its newest record the monitor saw; ``first_seen`` and
+    ``last_seen`` are when the monitor first saw a record of it and when it first saw its newest one."""
+
+    name: str | None
+    samples: int
+    rounds: int
+    step: int
+    first_seen: float
+    last_seen: float
+
+
+def count_contributions(
+    seen: Mapping[Any, Contribution],
+    alive: Mapping[Any, LocalMetrics],
+    step: int,
+    now: float,
+    limit: int = MAX_CONTRIBUTORS_TRACKED,
+) -> dict[Any, Contribution]:
+    """``seen`` updated with the live records: a peer's samples and rounds are the totals of its newest record
+    (``contributed_samples``, ``contributed_epochs``). A record past the swarm's ``step`` (``far_ahead``) or no newer
+    than the one already counted changes nothing, so a record that lives on after its peer died does not keep it
+    online. Peers no longer alive stay, up to ``limit`` of them: the most recently seen."""
+    updated = dict(seen)
+    for peer, metrics in alive.items():
+        known = updated.get(peer)
+        if metrics.step > step or (known is not None and metrics.step <= known.step):
+            continue
+        updated[peer] = Contribution(
+            name=metrics.public_name,
+            samples=metrics.contributed_samples,
+            rounds=metrics.contributed_epochs,
+            step=metrics.step,
+            first_seen=now if known is None else known.first_seen,
+            last_seen=now,
+        )
+    if len(updated) > limit:
+        updated = dict(heapq.nlargest(limit, updated.items(), key=lambda item: item[1].last_seen))
+    return updated
+
+
+def top_contributors(seen: Mapping[Any, Contribution], limit: int = MAX_CONTRIBUTORS_REPORTED) -> list[dict[str, Any]]:
+    """The ``limit`` peers with the most samples (then rounds), as the metrics line and the dashboard show them:
+    ``peer`` (a short hash of the public key), ``name`` (or None), ``samples``, ``rounds``, ``seconds_online``
+    (first to last record seen) and ``last_seen`` (the monitor's time)."""
+    top = heapq.nsmallest(limit, seen.items(), key=lambda item: (-item[1].samples, -item[1].rounds, item[0]))
+    return [
+        {
+            "peer": peer_fingerprint(peer),
+            "name": contribution.name,
+            "samples": contribution.samples,
+            "rounds": contribution.rounds,
+            "seconds_online": contribution.last_seen - contribution.first_seen,
+            "last_seen": contribution.last_seen,
+        }
+        for peer, contribution in top
+    ]
 
 
 def format_line(record: Mapping[str, Any]) -> str:

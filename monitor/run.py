@@ -7,7 +7,6 @@ it: malformed records are ignored, state downloads are retried, uploads and web 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -28,8 +27,8 @@ from collab import events
 from collab.dht import start_dht
 from collab.extras import require_extra
 from collab.optim import build_state_averager
-from collab.schema import make_validators, read_metrics
-from monitor.aggregate import far_ahead, live_metrics, summarize
+from collab.schema import make_validators, peer_fingerprint, read_metrics
+from monitor.aggregate import count_contributions, far_ahead, live_metrics, summarize, top_contributors
 from monitor.checkpoints import CheckpointSaver, default_epoch_tolerance
 from monitor.sinks import Sink, build_sinks, last_step_in, write_all
 from monitor.upload import Uploader, make_target
@@ -48,6 +47,7 @@ class MonitorState:
     last_step: int | None = None
     pending_evaluation: dict[str, float] = field(default_factory=dict)
     logged_liars: set = field(default_factory=set)
+    contributions: dict = field(default_factory=dict)  # by peer: monitor.aggregate.Contribution
     # how far the last step reported may be past the swarm's before it is taken for a liar's: the swarm's step dips
     # by a few epochs when records of dead peers drag the median down, and reporting must not go back then
     step_tolerance: int = default_epoch_tolerance(
@@ -66,11 +66,6 @@ def last_step_within_reach(last_step: int | None, step: int, tolerance: int) -> 
     majority reported (a liar's, written by an older version, or a previous run's), so reporting goes on from the
     swarm's step instead of waiting forever to pass it."""
     return None if last_step is not None and last_step - step > tolerance else last_step
-
-
-def peer_fingerprint(peer: bytes) -> str:
-    """A short, printable name for a peer's public key (the key itself is hundreds of bytes)."""
-    return hashlib.sha256(peer).hexdigest()[:12]
 
 
 def log_far_ahead(alive: dict, step: int, logged: set) -> None:
@@ -102,6 +97,7 @@ def refresh(
         logger.debug("No live metrics records yet")
         return
     log_far_ahead(alive, metrics.step, state.logged_liars)
+    state.contributions = count_contributions(state.contributions, alive, metrics.step, now)
     reachable = last_step_within_reach(state.last_step, metrics.step, state.step_tolerance)
     if reachable != state.last_step:
         logger.warning(
@@ -115,7 +111,11 @@ def refresh(
         state.pending_evaluation.update(saver.evaluate())
     if is_new_step(metrics.step, state.last_step):
         state.last_step = metrics.step
-        report = {**metrics.to_dict(), **state.pending_evaluation}
+        report = {
+            **metrics.to_dict(),
+            "contributors": top_contributors(state.contributions),
+            **state.pending_evaluation,
+        }
         write_all(sinks, report)
         events.emit("step_reported", **{key: value for key, value in report.items() if key != "time"})
         state.pending_evaluation.clear()

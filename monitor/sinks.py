@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 class Sink(Protocol):
     def write(self, record: Mapping[str, Any]) -> None:
-        """Report one global step: the SwarmMetrics keys, plus ``eval_*`` keys after an evaluation."""
+        """Report one global step: the SwarmMetrics keys, ``contributors`` (monitor.aggregate.top_contributors),
+        plus ``eval_*`` keys after an evaluation."""
 
     def close(self) -> None: ...
 
@@ -75,7 +76,8 @@ def last_step_in(path: str | os.PathLike | None) -> int | None:
 
 
 class WandbSink:
-    """Logs each global step to Weights & Biases (``WANDB_MODE=offline`` writes the run locally, no network)."""
+    """Logs each global step's numbers to Weights & Biases (``WANDB_MODE=offline`` writes the run locally, no
+    network); the contributors table stays in the metrics file and the web app."""
 
     def __init__(self, project: str, run_name: str, config: Mapping[str, Any]):
         require_extra("wandb", "--wandb_project")
@@ -85,7 +87,11 @@ class WandbSink:
         self._run = wandb.init(project=project, name=run_name, config=dict(config), reinit=True)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        values = {key: value for key, value in record.items() if key not in ("step", "time") and value is not None}
+        values = {
+            key: value
+            for key, value in record.items()
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         self._run.log(values, step=record["step"])
 
     def close(self) -> None:

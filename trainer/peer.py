@@ -120,6 +120,7 @@ def _train_and_save(
             peer_args.experiment_prefix,
             collaboration_args.statistics_expiration,
             collaboration_args.backup_every_steps,
+            collaboration_args.public_name,
         )
         callback.on_train_begin(resume)
         batches = batch_stream(

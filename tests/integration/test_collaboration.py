@@ -69,6 +69,7 @@ FAST = [
 C_EXPIRATION = 8  # seconds C's metrics stay alive after it is killed
 FORGED_STEP = 10**6
 TOKEN = "upload-token"
+B_NAME = "volunteer <B> & co"  # B's --public_name: shown as given, escaped where it is displayed
 FAULTY = ["--faults", "nan_loss@3,nan_parameters@6"]  # tests/faulty_peer.py's flag: A's faults
 MONITOR_CRASH = ["--faults", "pause_checkpoint_write@2=120"]  # tests/faulty_monitor.py's flag
 
@@ -174,7 +175,8 @@ def collaboration(tmp_path_factory, sample_data):
                 script="tests/faulty_peer.py",
             )
             peers["B"] = PeerProcess(
-                [*common, "--max_steps", str(MAX_STEPS), "--output_dir", str(out / "B")], out / "B.log"
+                [*common, "--max_steps", str(MAX_STEPS), "--public_name", B_NAME, "--output_dir", str(out / "B")],
+                out / "B.log",
             )
             # C and C2 know two addresses, as a volunteer would: the monitor's (down while it restarts) and A's
             c_argv = [
@@ -386,7 +388,7 @@ def test_forged_malformed_and_non_finite_records_are_rejected(collaboration):
 
 def test_monitor_writes_one_line_per_step_with_alive_peers_and_falling_loss(collaboration):
     lines = collaboration.metrics_lines()
-    base = {"step", "loss", "alive_peers", "samples", "samples_per_second", "time"}
+    base = {"step", "loss", "alive_peers", "samples", "samples_per_second", "time", "contributors"}
     assert all(set(line) in (base, base | {"eval_loss", "eval_perplexity"}) for line in lines)
     evaluated = [line for line in lines if "eval_loss" in line]
     assert len(evaluated) >= 2 and evaluated[-1]["eval_loss"] < evaluated[0]["eval_loss"], "checkpoints got no better"
@@ -397,6 +399,18 @@ def test_monitor_writes_one_line_per_step_with_alive_peers_and_falling_loss(coll
     assert losses[-1] < losses[0] - 0.3
     console = [line for line in collaboration.monitor_log.splitlines() if re.search(r"step \d+  loss ", line)]
     assert len(console) == len(lines)
+
+
+def test_the_metrics_line_lists_each_contributor_and_the_name_it_chose(collaboration):
+    contributors = collaboration.metrics_lines()[-1]["contributors"]
+    named = [c for c in contributors if c["name"] is not None]
+    assert [c["name"] for c in named] == [B_NAME], "B's --public_name is missing, or a peer got a name it never chose"
+    # B, A, C and C2 published: the restarted monitor saw at least A, B and C2 (C's record may have come and gone)
+    assert 3 <= len(contributors) <= 4 and len({c["peer"] for c in contributors}) == len(contributors)
+    assert all(re.fullmatch(r"[0-9a-f]{12}", c["peer"]) for c in contributors)
+    (b,) = named
+    assert b["rounds"] >= 5 and b["samples"] >= b["rounds"] and b["seconds_online"] > 0
+    assert [c["samples"] for c in contributors] == sorted((c["samples"] for c in contributors), reverse=True)
 
 
 def test_monitor_survives_a_killed_peer_and_stops_counting_it(collaboration):

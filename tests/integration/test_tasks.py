@@ -188,7 +188,7 @@ def test_qa_with_a_monitor_that_evaluates_its_checkpoints(task_data, tmp_path):
         monitor.stop()
     lines = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     evaluated = [line for line in lines if "eval_f1" in line]
-    base = {"step", "loss", "alive_peers", "samples", "samples_per_second", "time"}
+    base = {"step", "loss", "alive_peers", "samples", "samples_per_second", "time", "contributors"}
     assert all(set(line) == base for line in lines if line not in evaluated)
     assert all(set(line) == base | {"eval_loss", "eval_exact_match", "eval_f1"} for line in evaluated)
     assert evaluated[-1]["eval_f1"] > untrained["eval_f1"], f"untrained {untrained} -> monitor {evaluated[-1]}"

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collab.schema import MAX_STEP, honest_step
-from monitor.aggregate import aggregate, far_ahead, format_line, live_metrics
+from monitor.aggregate import (
+    aggregate,
+    count_contributions,
+    far_ahead,
+    format_line,
+    live_metrics,
+    summarize,
+    top_contributors,
+)
 from tests.conftest import metrics_record
 
 NOW = 1000.0
@@ -203,3 +211,86 @@ def test_as_many_liars_far_ahead_as_honest_peers_change_nothing(top, honest_peer
         for i, step in enumerate(liar_steps[:honest_peers])
     }
     assert aggregate({**honest, **liars}, NOW, step_lag=2) == aggregate(honest, NOW, step_lag=2)
+
+
+def contributed(step: int, samples: int, epochs: int, name: str | None = None) -> dict:
+    """A record of a peer that has published ``epochs`` epochs with ``samples`` samples in all."""
+    record = {**metrics_record(step=step), "contributed_samples": samples, "contributed_epochs": epochs}
+    return record if name is None else {**record, "public_name": name}
+
+
+def refreshes(*reads: tuple[float, dict]) -> dict:
+    """What the monitor remembers after reading these records at these times, as monitor/run.py's refresh does."""
+    seen: dict = {}
+    for now, records in reads:
+        alive = live_metrics({peer: (value, now + 60) for peer, value in records.items()}, now)
+        seen = count_contributions(seen, alive, summarize(alive, now, 2).step, now)
+    return seen
+
+
+def test_contributions_are_each_peers_newest_totals_with_the_time_between_its_first_and_last_record():
+    seen = refreshes(
+        (100.0, {b"alice-key": contributed(3, 300, 3, "alice"), b"b-key": contributed(3, 64, 1)}),
+        (110.0, {b"alice-key": contributed(4, 364, 4, "alice"), b"b-key": contributed(3, 64, 1)}),
+        (125.0, {b"alice-key": contributed(5, 428, 5, "alice"), b"b-key": contributed(3, 64, 1)}),
+    )
+    assert top_contributors(seen) == [
+        {"peer": "72ee9d4355cc", "name": "alice", "samples": 428, "rounds": 5, "seconds_online": 25.0,
+         "last_seen": 125.0},
+        {"peer": "912cf63e4e97", "name": None, "samples": 64, "rounds": 1, "seconds_online": 0.0, "last_seen": 100.0},
+    ]  # fmt: skip
+
+
+def test_a_peer_that_stopped_publishing_keeps_its_contribution_but_not_its_time_online():
+    # b's record outlives b for minutes: seeing it again is not b being online
+    first = (100.0, {b"a": contributed(3, 96, 3), b"b": contributed(3, 640, 10)})
+    later = [
+        (100.0 + 10 * i, {b"a": contributed(3 + i, 96 + 32 * i, 3 + i), b"b": contributed(3, 640, 10)}) for i in (1, 2)
+    ]
+    by_peer = {row["samples"]: row for row in top_contributors(refreshes(first, *later))}
+    assert (by_peer[640]["rounds"], by_peer[640]["seconds_online"], by_peer[640]["last_seen"]) == (10, 0.0, 100.0)
+    assert (by_peer[160]["rounds"], by_peer[160]["seconds_online"], by_peer[160]["last_seen"]) == (5, 20.0, 120.0)
+    gone = refreshes(first, (200.0, {b"a": contributed(9, 300, 9)}))  # b's record expired: b is still listed
+    assert [(row["samples"], row["rounds"]) for row in top_contributors(gone)] == [(640, 10), (300, 9)]
+
+
+def test_a_liar_far_ahead_or_a_record_going_back_counts_nothing():
+    honest = {b"a": contributed(7, 100, 7), b"b": contributed(7, 100, 7)}
+    seen = refreshes((100.0, {**honest, b"liar": contributed(2**39, 10**15, 2**39, "liar")}))
+    assert [row["samples"] for row in top_contributors(seen)] == [100, 100]
+    back = refreshes((100.0, honest), (110.0, {**honest, b"a": contributed(6, 5000, 9, "renamed")}))
+    assert {(row["name"], row["samples"], row["last_seen"]) for row in top_contributors(back)} == {(None, 100, 100.0)}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["x" * 33, "line\nbreak", "\x1b[2J\x1b[31mred", "right\u202eto left", "", " padded", "x" * 10**6, 42, ["a"]],
+)
+def test_a_record_with_a_long_or_unprintable_name_is_rejected_whole(name):
+    hostile = {**contributed(3, 10**6, 3), "public_name": name}
+    seen = refreshes((100.0, {b"a": contributed(3, 96, 3, "ok"), b"hostile": hostile}))
+    assert [(row["name"], row["samples"]) for row in top_contributors(seen)] == [("ok", 96)]
+    assert aggregate({b"a": (contributed(3, 96, 3), NOW + 1), b"h": (hostile, NOW + 1)}, NOW).alive_peers == 1
+
+
+def test_names_at_the_bounds_are_kept_as_they_are():
+    for name in ("y" * 32, "Zoë 🙂 <b>&amp;</b>", "a"):
+        [row] = top_contributors(refreshes((100.0, {b"a": contributed(3, 96, 3, name)})))
+        assert row["name"] == name
+
+
+def test_a_record_from_an_older_peer_counts_as_contributing_nothing():
+    [row] = top_contributors(refreshes((100.0, {b"old": metrics_record(step=3)})))
+    assert (row["name"], row["samples"], row["rounds"]) == (None, 0, 0)
+
+
+def test_the_report_holds_the_most_samples_and_the_memory_the_most_recently_seen():
+    seen = refreshes(*[(100.0 + i, {f"p{i:03d}".encode(): contributed(5, 1000 - i, 5)}) for i in range(150)])
+    report = top_contributors(seen, limit=100)
+    assert [row["samples"] for row in report] == list(range(1000, 900, -1))
+    ties = top_contributors(refreshes((1.0, {b"x": contributed(5, 7, 2), b"y": contributed(5, 7, 3)})))
+    assert [row["rounds"] for row in ties] == [3, 2]
+    alive = live_metrics({f"p{i}".encode(): (contributed(5, i, 5), 200.0) for i in range(5)}, 100.0)
+    remembered = count_contributions(seen, alive, 5, now=300.0, limit=40)
+    assert len(remembered) == 40 and all(remembered[f"p{i}".encode()].last_seen == 300.0 for i in range(5))
+    assert min(c.last_seen for c in remembered.values()) == 100.0 + 150 - 35  # the 35 newest of the 150 remain

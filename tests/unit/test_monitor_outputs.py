@@ -21,7 +21,16 @@ from monitor.upload import FolderTarget, HttpTarget, Uploader, backoff_delays, m
 from trainer.local import wait_until
 from trainer.model import tiny_bert_config
 
-STEP = {"step": 3, "loss": 4.5, "alive_peers": 2, "samples": 256, "samples_per_second": 31.5, "time": 1.0e9}
+CONTRIBUTOR = {"peer": "0123456789ab", "name": "volunteer", "samples": 256, "rounds": 3, "seconds_online": 20.0}
+STEP = {
+    "step": 3,
+    "loss": 4.5,
+    "alive_peers": 2,
+    "samples": 256,
+    "samples_per_second": 31.5,
+    "time": 1.0e9,
+    "contributors": [{**CONTRIBUTOR, "last_seen": 1.0e9}],
+}
 
 
 @pytest.fixture(scope="module")
