@@ -164,16 +164,20 @@ class OptimizerArguments:
         default=3.0,
         metadata={"help": "Seconds to wait for peers to form an averaging group (3-5 on a LAN, 10-15 online)"},
     )
-    averaging_timeout: float = field(
-        default=60.0,
-        metadata={"help": "Seconds after which an averaging round is abandoned (about 2x the all-reduce time)"},
+    averaging_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds after which an averaging round is abandoned (about 2x the all-reduce time). Default: "
+            "derived from the model's size, --bandwidth and --target_group_size, at least 60 (collab/timeouts.py)"
+        },
     )
     next_chunk_timeout: float | None = field(
         default=None,
         metadata={
             "help": "Seconds an averaging round waits for a groupmate's next piece of data before it averages without "
-            "that peer (default: matchmaking_time, as hivemind). Longer keeps a peer that starts its round late; "
-            "shorter loses less time when a matched peer never comes (each such round waits this long)"
+            "that peer. Default: derived from --bandwidth, at least matchmaking_time (hivemind's default). Longer "
+            "keeps a peer that starts its round late; shorter loses less time when a matched peer never comes (each "
+            "such round waits this long)"
         },
     )
     grad_compression: Literal["fp16", "8bit"] = field(
@@ -183,13 +187,19 @@ class OptimizerArguments:
             "more as 8-bit uniform quantization, 1 byte a value, smaller ones fp16; sahajBERT's choice) for slow links"
         },
     )
-    load_state_timeout: float = field(
-        default=120.0,
-        metadata={"help": "Seconds to wait for one attempt to download the state from a peer"},
+    load_state_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one try to download the state from a peer may take (up to 8 peers are tried, with "
+            "backoff). Default: derived from the state's size and --bandwidth, at least 120"
+        },
     )
     bandwidth: float = field(
         default=100.0,
-        metadata={"help": "This peer's network bandwidth in Mbit/s, used to balance all-reduce load"},
+        metadata={
+            "help": "This peer's upload bandwidth in Mbit/s (the slower direction of most links): balances all-reduce "
+            "load and sizes the derived timeouts, assuming groupmates and donors have at least as much"
+        },
     )
     offload_optimizer: bool = field(
         default=True,
@@ -248,8 +258,10 @@ class OptimizerArguments:
     )
 
     def __post_init__(self) -> None:
-        _require_positive(self, "target_batch_size", "matchmaking_time", "averaging_timeout", "load_state_timeout")
-        _require_positive(self, "bandwidth", "average_state_every")
+        _require_positive(self, "target_batch_size", "matchmaking_time", "bandwidth", "average_state_every")
+        for name in ("averaging_timeout", "next_chunk_timeout", "load_state_timeout"):
+            if getattr(self, name) is not None:  # None: derived from the model and --bandwidth (collab/timeouts.py)
+                _require_positive(self, name)
         if not (isinstance(self.local_steps, int) and 0 <= self.local_steps <= MAX_LOCAL_STEPS):
             _fail("local_steps", f"must be an integer from 0 to {MAX_LOCAL_STEPS} (got {self.local_steps!r})")
         _require_positive(self, "outer_learning_rate", "topk_fraction")
@@ -266,8 +278,7 @@ class OptimizerArguments:
                 "the low-communication mode (--local_steps) keeps the anchor in host memory: turn it on",
             )
         _require_non_negative(self, "batch_size_lead")
-        if self.next_chunk_timeout is not None:
-            _require_positive(self, "next_chunk_timeout")
+        if self.next_chunk_timeout is not None and self.averaging_timeout is not None:
             if self.next_chunk_timeout >= self.averaging_timeout / 2:
                 _fail(
                     "next_chunk_timeout",
@@ -288,7 +299,8 @@ class OptimizerArguments:
             )
 
     def chunk_timeout(self) -> float:
-        """``next_chunk_timeout``, or ``matchmaking_time`` when unset (hivemind's default)."""
+        """``next_chunk_timeout``, or ``matchmaking_time`` when unset: hivemind's default, and the floor of the value
+        derived from the model and the link (``collab.timeouts``)."""
         return self.next_chunk_timeout if self.next_chunk_timeout is not None else self.matchmaking_time
 
 

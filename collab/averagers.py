@@ -31,12 +31,15 @@ hivemind averagers and the monitor's ``TrainingStateAverager`` can still downloa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import math
 import multiprocessing as mp
 import random
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import InvalidStateError
 from itertools import chain
 from typing import Any
 
@@ -65,6 +68,7 @@ from collab.hivemind_fixes import (
     honest_progress_epoch,
     progress_key,
 )
+from collab.timeouts import download_backoff
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +201,8 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
         return None
 
 
-MAX_DONORS_PER_LOAD = 8  # donors tried per load_state_from_peers; each refused or failed one is skipped next time
+MAX_DONORS_PER_LOAD = 8  # tries per load_state_from_peers, a different donor each: a failed or refused one is skipped
+ABANDON_POLL = 0.5  # seconds between two looks of the averager's process at whether the peer abandoned a download
 
 
 def state_refusal(
@@ -277,6 +282,20 @@ def choose_donor(advertised: Mapping[Any, Any], max_epoch: float, excluded: set[
     return max(allowed)[2] if allowed else None
 
 
+async def until_done(future: MPFuture, poll: float = ABANDON_POLL) -> None:
+    """Returns once ``future`` is done, here in a process other than its origin: once the origin cancelled it.
+    An MPFuture's state lives in shared memory, which hivemind's averager polls the same way (``step.done()``)."""
+    while not future.done():
+        await asyncio.sleep(poll)
+
+
+def answer(future: MPFuture, result: Any) -> None:
+    """``future.set_result(result)`` unless it is done: the origin may have cancelled it meanwhile."""
+    if not future.done():
+        with contextlib.suppress(InvalidStateError):
+            future.set_result(result)
+
+
 class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, FixedDecentralizedAverager):
     """hivemind's ``TrainingStateAverager`` whose parameter rounds refuse non-finite values and whose state downloads
     refuse a lying donor.
@@ -287,8 +306,10 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     ``EPOCH_LEAD_LIMIT`` (plus one per second of the timeout) past the swarm's honest epoch, read from the peers'
     signed progress records under ``run_id`` but this peer's own (``honest_progress_epoch``), or when it has a
     non-finite value or another structure; a donor advertising such an epoch is not even asked. The next donor is
-    then tried, up to ``MAX_DONORS_PER_LOAD``, and failing all of them the peer keeps its own state. The scheduler
-    is brought to the new epoch in one step (``bring_scheduler_to_epoch``).
+    then tried after a backoff (``download_backoff``: 1 s, doubling), up to ``MAX_DONORS_PER_LOAD`` tries in all,
+    and failing all of them the peer keeps its own state. A try that fails or outlives its timeout is stopped in the
+    averager's process, so no abandoned download keeps the link busy. The scheduler is brought to the new epoch in
+    one step (``bring_scheduler_to_epoch``).
     Without ``run_id`` no epoch is too far ahead (the other checks still apply).
     """
 
@@ -319,30 +340,43 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         optimizer_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
         expected_shapes = [tensor.shape for tensor in chain(parameters, optimizer_tensors)]
         skipped: list[PeerID] = []
-        for _ in range(MAX_DONORS_PER_LOAD):
+        for tries in range(MAX_DONORS_PER_LOAD):
+            time.sleep(download_backoff(tries))
             self._max_donor_epoch.value = math.inf if max_epoch is None else max_epoch
-            future = MPFuture()
-            self._outer_pipe.send(
-                (
-                    "_load_state_from_peers",
-                    [],
-                    dict(timeout=timeout, future=future, skipped=tuple(peer.to_base58() for peer in skipped)),
-                )
-            )
-            downloaded = future.result(timeout=None if timeout is None else 2 * timeout)
+            downloaded = self._try_download(timeout, skipped)
             if downloaded is None:
                 logger.info("No other peer could send its state; keeping this peer's own")
                 return None
             donor, metadata, tensors = downloaded
-            skipped.append(donor)
+            if donor is not None:
+                skipped.append(donor)
             if tensors is None:
                 continue
             reason = state_refusal(metadata, tensors, expected_shapes, optimizer_metadata, self.local_epoch, max_epoch)
             if reason is None:
                 return self._apply_state(metadata, tensors[: len(parameters)], tensors[len(parameters) :], parameters)
             logger.warning("Refused the state of peer %s: %s; trying another peer", donor, reason)
-        logger.warning("No acceptable state from %d peers; keeping this peer's own", len(skipped))
+        logger.warning("No acceptable state in %d tries; keeping this peer's own", MAX_DONORS_PER_LOAD)
         return None
+
+    def _try_download(self, timeout: float | None, skipped: Sequence[PeerID]) -> tuple | None:
+        """One try in the averager's process (``_load_state_from_peers``): ``(donor, metadata, tensors)``, with
+        ``(donor or None, None, None)`` for a failed try, or None if no donor is left. A try the averager's process
+        has not answered within twice ``timeout`` is cancelled: that process sees it and stops the download."""
+        future = MPFuture()
+        self._outer_pipe.send(
+            (
+                "_load_state_from_peers",
+                [],
+                dict(timeout=timeout, future=future, skipped=tuple(peer.to_base58() for peer in skipped)),
+            )
+        )
+        try:
+            return future.result(timeout=None if timeout is None else 2 * timeout)
+        except TimeoutError:
+            future.cancel()
+            logger.warning("A state download got no answer within %.0f s: cancelled", 2 * timeout)
+            return None, None, None
 
     def _apply_state(self, metadata: dict, loaded_parameters, loaded_optimizer_tensors, parameters) -> None:
         """The second half of hivemind's ``TrainingStateAverager.load_state_from_peers``: apply a checked state.
@@ -375,7 +409,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         limit (ties broken at random), other than this peer and ``skipped``; result ``(donor, metadata, tensors)``,
         ``(donor, None, None)`` if it failed, None if there is no donor. Each chunk waits at most
         ``next_chunk_timeout`` (else ``request_timeout``) and the whole download at most ``timeout``, so a donor
-        that trickles its state cannot hold the newcomer."""
+        that trickles its state cannot hold the newcomer; a download the peer cancelled (``_try_download``) stops."""
         try:
             key_manager = self._matchmaking.group_key_manager
             found = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True)
@@ -383,18 +417,27 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             excluded = {self.peer_id, *map(PeerID.from_base58, skipped)}
             donor = choose_donor(advertised, self._max_donor_epoch.value, excluded)
             if donor is None:
-                future.set_result(None)
                 return
             logger.info("Downloading the state from peer %s", donor)
+            download = asyncio.create_task(self._download_state_from(donor))
+            abandoned = asyncio.create_task(until_done(future))
             try:
-                metadata, tensors = await asyncio.wait_for(self._download_state_from(donor), timeout=timeout)
-                future.set_result((donor, metadata, tensors))
-            except Exception as e:
-                logger.warning("Downloading the state from peer %s failed: %s", donor, repr(e))
-                future.set_result((donor, None, None))
+                await asyncio.wait({download, abandoned}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                download.cancel()
+                abandoned.cancel()
+            if future.done():
+                logger.info("Stopped the state download from peer %s: the peer abandoned it", donor)
+            elif not download.done():
+                logger.warning("Downloading the state from peer %s took over %.0f s: stopped", donor, timeout)
+                answer(future, (donor, None, None))
+            elif download.exception() is not None:
+                logger.warning("Downloading the state from peer %s failed: %s", donor, repr(download.exception()))
+                answer(future, (donor, None, None))
+            else:
+                answer(future, (donor, *download.result()))
         finally:
-            if not future.done():
-                future.set_result(None)
+            answer(future, None)
 
     async def _download_state_from(self, donor: PeerID) -> tuple[Any, list[torch.Tensor]]:
         """The metadata and tensors ``donor`` streams (hivemind's loop of ``_load_state_from_peers``)."""
@@ -419,6 +462,33 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, hivemind.Optimizer):
     ``grad_averager_factory=FiniteGradientAverager`` for its gradient rounds."""
 
     state_averager_class: type[TrainingStateAverager] = FiniteTrainingStateAverager
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """hivemind's ``Optimizer.load_state_from_peers`` with one bounded load instead of its retry loop.
+
+        hivemind retried a failed load at once and forever, while the abandoned download kept running. Here the state
+        averager makes the tries (at most ``MAX_DONORS_PER_LOAD``, a different donor each, with backoff, each bounded
+        by ``load_state_timeout`` and stopped when abandoned) and an error ends the load with this peer's own state.
+        The gradient averager's buffers are not downloaded (``FiniteGradientAverager``)."""
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)  # as hivemind: do not stall a round already begun
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            try:
+                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+            except Exception as e:
+                logger.exception("Loading the state from peers failed (%r); keeping this peer's own", e)
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                logger.log(self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}")
+                self.state_averager.local_epoch = self.tracker.global_epoch
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
 
     def _state_averager_options(self) -> dict:
         """Keyword arguments of ``state_averager_class`` beyond hivemind's (a subclass adds its own)."""

@@ -32,6 +32,7 @@ from arguments import (
 from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager, FiniteTrainingStateAverager
 from collab.compression import make_codec
 from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory
+from collab.timeouts import FP16_BYTES, Timeouts, derive_timeouts, estimate_transfers
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,40 @@ def local_batch_size(training_args: TrainingArguments) -> int:
     return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
 
 
+# Values per model parameter in the largest averaging round and in the state a newcomer downloads (both fp16 on the
+# wire). Synchronous: a round averages gradients or parameters; the state is the parameters and Lamb's two moments.
+# Low-communication: a parameter round also averages the outer momentum; the state adds it to the anchors and the
+# inner Lamb's moments.
+ROUND_VALUES_PER_PARAMETER = {"sync": 1, "lowcomm": 2}
+STATE_VALUES_PER_PARAMETER = {"sync": 3, "lowcomm": 4}
+
+
+def collaboration_timeouts(
+    model: torch.nn.Module, optimizer_args: OptimizerArguments, averager_args: AveragerArguments
+) -> Timeouts:
+    """The averaging, chunk, state-download and shutdown timeouts for ``model`` over this peer's ``--bandwidth``
+    (``collab.timeouts``), the flags given explicitly kept; logged in one line."""
+    mode = "lowcomm" if optimizer_args.local_steps > 0 else "sync"
+    transfers = estimate_transfers(
+        parameters=sum(param.numel() for param in model.parameters() if param.requires_grad),
+        round_values_per_parameter=ROUND_VALUES_PER_PARAMETER[mode],
+        state_values_per_parameter=STATE_VALUES_PER_PARAMETER[mode],
+        bytes_per_value=FP16_BYTES,
+        model_bytes=sum(param.numel() * param.element_size() for param in model.parameters()),
+        group_size=averager_args.target_group_size,
+        bandwidth_mbit=optimizer_args.bandwidth,
+    )
+    timeouts = derive_timeouts(
+        transfers,
+        optimizer_args.matchmaking_time,
+        averaging_timeout=optimizer_args.averaging_timeout,
+        next_chunk_timeout=optimizer_args.next_chunk_timeout,
+        load_state_timeout=optimizer_args.load_state_timeout,
+    )
+    logger.info(timeouts.describe())
+    return timeouts
+
+
 def build_optimizer(
     model: torch.nn.Module,
     dht: hivemind.DHT,
@@ -165,6 +200,7 @@ def build_optimizer(
     tracker_args: ProgressTrackerArguments,
     training_args: TrainingArguments,
     tracker_private_key=None,
+    timeouts: Timeouts | None = None,
 ) -> hivemind.Optimizer:
     """hivemind.Optimizer over Lamb: accumulate to the collaboration's target batch, average fp16 gradients, step.
     With ``--local_steps`` > 0, the low-communication mode instead (``collab.lowcomm``, arguments from
@@ -173,8 +209,10 @@ def build_optimizer(
     Its gradient and parameter rounds refuse a groupmate's non-finite values (``collab.averagers``).
 
     ``tracker_private_key`` gives the progress tracker its own RSA key, only needed when several peers share one
-    process (tests); a real peer has one key per process.
+    process (tests); a real peer has one key per process. ``timeouts``: ``collaboration_timeouts``' when not given.
     """
+    if timeouts is None:
+        timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
     tracker_opts = {
         "min_refresh_period": tracker_args.min_refresh_period,
         "max_refresh_period": tracker_args.max_refresh_period,
@@ -203,9 +241,9 @@ def build_optimizer(
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
         batch_size_per_step=local_batch_size(training_args),
         matchmaking_time=optimizer_args.matchmaking_time,
-        averaging_timeout=optimizer_args.averaging_timeout,
-        next_chunk_timeout=optimizer_args.chunk_timeout(),
-        load_state_timeout=optimizer_args.load_state_timeout,
+        averaging_timeout=timeouts.averaging_timeout,
+        next_chunk_timeout=timeouts.next_chunk_timeout,
+        load_state_timeout=timeouts.load_state_timeout,
         offload_optimizer=optimizer_args.offload_optimizer,
         delay_optimizer_step=optimizer_args.delay_optimizer_step,
         delay_grad_averaging=optimizer_args.delay_grad_averaging,
@@ -265,13 +303,16 @@ def build_state_averager(
     optimizer_args: OptimizerArguments,
     averager_args: AveragerArguments,
     training_args: TrainingArguments,
+    timeouts: Timeouts | None = None,
 ) -> TrainingStateAverager:
     """The same optimizer as ``build_optimizer``'s, in a TrainingStateAverager that only downloads state.
 
     It shares the trainers' ``{experiment_prefix}_state_averager`` key, never joins averaging rounds and never
     serves its (possibly stale) copy to newcomers. Like a trainer's, it refuses a lying donor's state
-    (``FiniteTrainingStateAverager``).
+    (``FiniteTrainingStateAverager``) and waits ``timeouts.next_chunk_timeout`` for each piece of it.
     """
+    if timeouts is None:
+        timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
     if optimizer_args.local_steps > 0:  # the low-communication mode's state: anchors, outer momentum, inner Lamb
         inner, _ = inner_lamb(model, training_args)
         optimizer = outer_optimizer_factory(optimizer_args.outer_learning_rate, optimizer_args.outer_momentum, inner)
@@ -291,6 +332,7 @@ def build_state_averager(
         state_compression=Float16Compression(),
         bandwidth=optimizer_args.bandwidth,
         target_group_size=averager_args.target_group_size,
+        next_chunk_timeout=timeouts.next_chunk_timeout,
         allow_state_sharing=False,
         start=True,
     )

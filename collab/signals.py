@@ -1,4 +1,10 @@
-"""Stopping a long-running process cleanly: the first SIGINT/SIGTERM asks it to finish, a watchdog makes sure."""
+"""Stopping a long-running process cleanly: the first SIGINT/SIGTERM asks it to finish, a watchdog makes sure.
+
+The watchdog forces the exit once the clean shutdown has taken longer than the deadline, which a program raises to
+what its state needs (``set_shutdown_deadline``: ``collab.timeouts`` derives it from the model and the link). The
+exit code then tells the truth: a program that saves its final state (``expect_final_save``) and has not finished
+saving it exits ``EXIT_NOT_SAVED`` and its ``shutdown`` event says ``saved: false``; otherwise it exits 0.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +13,92 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
+
+from collab import events
+from collab.timeouts import SHUTDOWN_DEADLINE_FLOOR
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_DEADLINE = 25.0  # seconds between the first SIGINT/SIGTERM and a forced exit
+SHUTDOWN_DEADLINE = SHUTDOWN_DEADLINE_FLOOR  # seconds from the first signal to a forced exit, until a program sets it
+EXIT_NOT_SAVED = 3  # a forced exit before the final state was saved (2 is bad input, 1 an error)
+WATCHDOG_POLL = 0.2  # seconds between two looks of the watchdog at the deadline, which may change meanwhile
+
+
+class Shutdown:
+    """This process's shutdown: the deadline after the first signal, and whether a final save is still due.
+
+    The ``shutdown`` event is written once: by the program as it leaves (``leave``) or by the forced exit."""
+
+    def __init__(self, deadline: float = SHUTDOWN_DEADLINE):
+        self.deadline = deadline
+        self._lock = threading.Lock()
+        self._unsaved_fields: dict | None = None  # the shutdown event's fields while a final save is due
+        self._left = False
+
+    def expect_final_save(self, **fields) -> None:
+        """From now on a forced exit means the final state was not saved; ``fields`` go into its shutdown event."""
+        with self._lock:
+            self._unsaved_fields = fields
+
+    def leave(self, saved: bool, **fields) -> None:
+        """The program leaves: write its ``shutdown`` event (``saved`` and ``fields``) unless a forced exit did, and
+        let a forced exit from now on exit 0 when ``saved`` (the final state is on disk)."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = True
+            if saved:
+                self._unsaved_fields = None
+            events.emit("shutdown", saved=saved, **fields)
+
+    def force_exit(self) -> None:
+        """Exit now: kill the child processes, ``EXIT_NOT_SAVED`` with a ``shutdown`` event saying so if the final
+        save is still due, else 0."""
+        with self._lock:
+            unsaved = self._unsaved_fields is not None
+            if unsaved and not self._left:
+                events.emit("shutdown", **{**self._unsaved_fields, "saved": False, "forced": True})
+            logger.warning(
+                "Clean shutdown took over %.0f s: exiting now%s",
+                self.deadline,
+                ", without the final state saved" if unsaved else "",
+            )
+            for child in mp.active_children():
+                child.kill()
+            os._exit(EXIT_NOT_SAVED if unsaved else 0)
+
+
+_shutdown = Shutdown()  # one per process, as signal handlers are
+
+
+def set_shutdown_deadline(seconds: float) -> None:
+    """How long the clean shutdown may take after the first signal (a signal already received counts from then)."""
+    _shutdown.deadline = seconds
+
+
+def expect_final_save(**fields) -> None:
+    """See ``Shutdown.expect_final_save``."""
+    _shutdown.expect_final_save(**fields)
+
+
+def leave(saved: bool, **fields) -> None:
+    """See ``Shutdown.leave``."""
+    _shutdown.leave(saved, **fields)
+
+
+def watch(shutdown: Shutdown, signalled: float) -> None:
+    """The watchdog: force the exit once ``shutdown.deadline`` seconds have passed since ``signalled``."""
+    while time.monotonic() < signalled + shutdown.deadline:
+        time.sleep(WATCHDOG_POLL)
+    shutdown.force_exit()
 
 
 def install_stop_handlers(stop: threading.Event) -> None:
     """First SIGINT/SIGTERM: finish the current step and shut down cleanly; a second one interrupts at once.
 
-    A watchdog forces the exit if the clean shutdown takes longer than SHUTDOWN_DEADLINE seconds.
+    A watchdog forces the exit if the clean shutdown takes longer than the deadline (``set_shutdown_deadline``).
     """
-
-    def force_exit() -> None:
-        logger.warning("Clean shutdown took over %.0f s: exiting now", SHUTDOWN_DEADLINE)
-        for child in mp.active_children():
-            child.kill()
-        os._exit(0)
-
     owner = os.getpid()
 
     def on_signal(signum, frame) -> None:
@@ -34,11 +108,15 @@ def install_stop_handlers(stop: threading.Event) -> None:
             return
         if stop.is_set():
             raise KeyboardInterrupt
-        logger.info("Received %s: finishing the current step, then shutting down", signal.Signals(signum).name)
+        logger.info(
+            "Received %s: finishing the current step, then shutting down (at most %.0f s)",
+            signal.Signals(signum).name,
+            _shutdown.deadline,
+        )
         stop.set()
-        watchdog = threading.Timer(SHUTDOWN_DEADLINE, force_exit)
-        watchdog.daemon = True
-        watchdog.start()
+        threading.Thread(
+            target=watch, args=(_shutdown, time.monotonic()), name="shutdown-watchdog", daemon=True
+        ).start()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

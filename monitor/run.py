@@ -26,8 +26,9 @@ from arguments import (
 from collab import events
 from collab.dht import start_dht
 from collab.extras import require_extra
-from collab.optim import build_state_averager
+from collab.optim import build_state_averager, collaboration_timeouts
 from collab.schema import make_validators, peer_fingerprint, read_metrics
+from collab.timeouts import LOAD_STATE_TIMEOUT_FLOOR
 from monitor.aggregate import count_contributions, far_ahead, live_metrics, summarize, top_contributors
 from monitor.checkpoints import CheckpointSaver, default_epoch_tolerance
 from monitor.sinks import Sink, build_sinks, last_step_in, write_all
@@ -50,9 +51,7 @@ class MonitorState:
     contributions: dict = field(default_factory=dict)  # by peer: monitor.aggregate.Contribution
     # how far the last step reported may be past the swarm's before it is taken for a liar's: the swarm's step dips
     # by a few epochs when records of dead peers drag the median down, and reporting must not go back then
-    step_tolerance: int = default_epoch_tolerance(
-        MonitorArguments.alive_step_lag, OptimizerArguments.load_state_timeout
-    )
+    step_tolerance: int = default_epoch_tolerance(MonitorArguments.alive_step_lag, LOAD_STATE_TIMEOUT_FLOOR)
 
 
 def is_new_step(step: int, last_step: int | None) -> bool:
@@ -134,7 +133,8 @@ def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_a
         task = TASKS[dataset_args.task]
         every, limit = monitor_args.eval_every_checkpoints, monitor_args.eval_max_examples
         evaluator = CheckpointEvaluator(task, dataset_args, tokenizer, every, limit)
-    averager = build_state_averager(model, dht, peer_args, optimizer_args, averager_args, training_args)
+    timeouts = collaboration_timeouts(model, optimizer_args, averager_args)  # the trainers' own, from the same model
+    averager = build_state_averager(model, dht, peer_args, optimizer_args, averager_args, training_args, timeouts)
     saver = CheckpointSaver(
         averager,
         model,
@@ -142,10 +142,10 @@ def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_a
         monitor_args.repo_path,
         monitor_args.save_checkpoint_step_interval,
         monitor_args.keep_checkpoints,
-        optimizer_args.load_state_timeout,
+        timeouts.load_state_timeout,
         retry_period=monitor_args.refresh_period,
         evaluator=evaluator,
-        epoch_tolerance=default_epoch_tolerance(monitor_args.alive_step_lag, optimizer_args.load_state_timeout),
+        epoch_tolerance=default_epoch_tolerance(monitor_args.alive_step_lag, timeouts.load_state_timeout),
     )
     return averager, saver
 
@@ -174,7 +174,9 @@ def run_monitor(
     averager = saver = uploader = None
     state = MonitorState(
         last_step=last_step_in(monitor_args.metrics_path),
-        step_tolerance=default_epoch_tolerance(monitor_args.alive_step_lag, optimizer_args.load_state_timeout),
+        step_tolerance=default_epoch_tolerance(
+            monitor_args.alive_step_lag, optimizer_args.load_state_timeout or LOAD_STATE_TIMEOUT_FLOOR
+        ),
     )
     if state.last_step is not None and not peer_args.initial_peers:
         logger.warning(
@@ -186,6 +188,7 @@ def run_monitor(
             averager, saver = build_checkpointing(
                 dht, peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args
             )
+            state.step_tolerance = saver.epoch_tolerance  # with the load timeout derived from the model
         if monitor_args.upload_interval is not None:
             target = make_target(monitor_args.upload_to, token, monitor_args.keep_checkpoints)
             uploader = Uploader(monitor_args.repo_path, target, monitor_args.upload_interval).start()

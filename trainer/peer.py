@@ -16,10 +16,10 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
-from collab import events
+from collab import events, signals
 from collab.callback import CollaborativeCallback, read_resume_point
 from collab.dht import start_dht
-from collab.optim import build_optimizer, finish_delayed_updates
+from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates
 from collab.schema import make_validators
 from collab.storage import atomic_directory
 from trainer.data import batch_stream, peer_data_seed
@@ -28,8 +28,6 @@ from trainer.model import build_model, load_tokenizer
 from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_AVERAGING_WAIT = 10.0  # seconds a departing peer waits for its last background averaging round
 
 
 def training_device() -> torch.device:
@@ -47,8 +45,10 @@ def run_peer(
     stop: threading.Event,
 ) -> TrainingSummary:
     """Join the collaboration, train until stopped or max_steps, save the model to output_dir, leave cleanly.
-    Ends with the ``shutdown`` event, ``saved`` telling whether the model reached output_dir."""
+    Ends with the ``shutdown`` event, ``saved`` telling whether the model reached output_dir; a shutdown forced
+    before that exits ``signals.EXIT_NOT_SAVED`` (the deadline is derived from the model: ``collab.timeouts``)."""
     events.open_event_log(peer_args.events_path)
+    signals.expect_final_save(epoch=None, folder=str(training_args.output_dir))
     summary = None
     try:
         summary = _train_and_save(
@@ -63,8 +63,7 @@ def run_peer(
         )
         return summary
     finally:
-        events.emit(
-            "shutdown",
+        signals.leave(
             saved=summary is not None,
             epoch=None if summary is None else summary.end_epoch,
             folder=str(training_args.output_dir),
@@ -111,7 +110,11 @@ def _train_and_save(
     )
     optimizer = None
     try:
-        optimizer = build_optimizer(model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args)
+        timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
+        signals.set_shutdown_deadline(timeouts.shutdown_deadline)
+        optimizer = build_optimizer(
+            model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args, timeouts=timeouts
+        )
         callback = CollaborativeCallback(
             dht,
             optimizer,
@@ -137,7 +140,7 @@ def _train_and_save(
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
             # hivemind's shutdown announces the departure first, and peers would then skip our last round.
-            finish_delayed_updates(optimizer, timeout=min(optimizer_args.averaging_timeout, SHUTDOWN_AVERAGING_WAIT))
+            finish_delayed_updates(optimizer, timeout=timeouts.shutdown_averaging_wait)
             optimizer.shutdown()
         dht.shutdown()
 

@@ -1,0 +1,167 @@
+"""Timeouts sized by the state and the link (collab/timeouts.py): figures checked by hand, then read back from the
+real hivemind objects; state-download backoff, and an abandoned download stopped in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+
+import hivemind
+import pytest
+from hivemind.utils import MPFuture
+from transformers import AutoModelForMaskedLM
+
+from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
+from collab.averagers import until_done
+from collab.optim import build_optimizer, build_state_averager
+from collab.timeouts import derive_timeouts, download_backoff, estimate_transfers
+from trainer.model import tiny_bert_config
+
+MB = 1e6
+
+
+def transfers_100m(bandwidth_mbit: float = 40.0, group_size: int = 8):
+    """The issue's case: 100M parameters, fp16 on the wire, the state = parameters + Lamb's two moments, fp32 model."""
+    return estimate_transfers(
+        parameters=100_000_000,
+        round_values_per_parameter=1,
+        state_values_per_parameter=3,
+        bytes_per_value=2,
+        model_bytes=400_000_000,
+        group_size=group_size,
+        bandwidth_mbit=bandwidth_mbit,
+    )
+
+
+def test_a_100m_parameter_state_over_40_mbit_s_gets_timeouts_it_can_meet():
+    transfers = transfers_100m()
+    # 40 Mbit/s = 5 MB/s. A round of 200 MB among 8: 2 x 7/8 x 200 MB = 350 MB leave this peer: 70 s.
+    assert transfers.round_seconds == pytest.approx(70.0)
+    # one 512 KiB part on each of 7 streams at once: 7 x 524288 B / 5 MB/s
+    assert transfers.part_seconds == pytest.approx(7 * 524288 / 5e6)
+    assert transfers.state_seconds == pytest.approx(120.0)  # 600 MB at 5 MB/s (the issue: "about 150 s")
+    assert transfers.save_seconds == pytest.approx(8.0)  # 400 MB at 50 MB/s
+    timeouts = derive_timeouts(transfers, matchmaking_time=3.0)
+    assert timeouts.averaging_timeout == pytest.approx(3 + 2 * 70)  # matchmaking, then twice the round
+    assert timeouts.next_chunk_timeout == 3.0  # 2 x 0.73 s is under the floor, matchmaking_time
+    assert timeouts.load_state_timeout == pytest.approx(240.0)  # twice 120 s: over the 150 s the download needs
+    assert timeouts.shutdown_averaging_wait == pytest.approx(140.0)
+    assert timeouts.shutdown_deadline == pytest.approx(140 + 15 + 2 * 8)
+    line = timeouts.describe()
+    assert "100.0M parameters" in line and "40 Mbit/s upload" in line and "load_state_timeout 240 s" in line
+
+
+def test_the_issue_s_gradient_round_of_100m_parameters_among_8_at_50_mbit_s_takes_about_a_minute():
+    assert transfers_100m(bandwidth_mbit=50.0).round_seconds == pytest.approx(56.0)  # 350 MB at 6.25 MB/s
+
+
+def test_a_small_model_on_a_lan_keeps_today_s_defaults():
+    transfers = estimate_transfers(
+        parameters=5_000_000,
+        round_values_per_parameter=1,
+        state_values_per_parameter=3,
+        bytes_per_value=2,
+        model_bytes=20_000_000,
+        group_size=256,
+        bandwidth_mbit=100.0,
+    )
+    timeouts = derive_timeouts(transfers, matchmaking_time=3.0)
+    assert (timeouts.averaging_timeout, timeouts.next_chunk_timeout, timeouts.load_state_timeout) == (60, 3, 120)
+    assert timeouts.shutdown_averaging_wait == 10.0
+    assert timeouts.shutdown_deadline == pytest.approx(10 + 15 + 2 * 0.4)  # 20 MB written at 50 MB/s, twice
+
+
+def test_explicit_timeouts_win_and_the_others_stay_consistent_with_them():
+    slow = transfers_100m(bandwidth_mbit=1.0)  # a round of 1750 s, 7 parts of 512 KiB in 29.4 s, a state in 4800 s
+    given = derive_timeouts(slow, 3.0, averaging_timeout=20.0, next_chunk_timeout=5.0, load_state_timeout=90.0)
+    assert (given.averaging_timeout, given.next_chunk_timeout, given.load_state_timeout) == (20.0, 5.0, 90.0)
+    assert given.shutdown_averaging_wait == 20.0  # never longer than a round may last
+    assert "averaging_timeout, next_chunk_timeout, load_state_timeout as given" in given.how
+    # a derived chunk timeout (58.7 s) fits the round's explicit 20 s: a round waits twice it for results
+    assert derive_timeouts(slow, 3.0, averaging_timeout=20.0).next_chunk_timeout == pytest.approx(20 / 2.5)
+    # an explicit chunk timeout of 100 s makes the derived round timeout (143 s) 2.5 times it
+    assert derive_timeouts(transfers_100m(), 3.0, next_chunk_timeout=100.0).averaging_timeout == 250.0
+
+
+def test_a_mistyped_bandwidth_is_capped_not_days():
+    timeouts = derive_timeouts(transfers_100m(bandwidth_mbit=0.001), matchmaking_time=3.0)
+    assert timeouts.averaging_timeout == 3600.0 and timeouts.next_chunk_timeout == 600.0
+    assert timeouts.load_state_timeout == 4 * 3600.0 and timeouts.shutdown_deadline == 3600.0
+    with pytest.raises(ValueError):
+        transfers_100m(bandwidth_mbit=0.0)
+    with pytest.raises(ValueError):
+        transfers_100m(group_size=1)
+
+
+def test_state_downloads_back_off_exponentially_up_to_30_s():
+    assert [download_backoff(tries) for tries in range(8)] == [0, 1, 2, 4, 8, 16, 30, 30]
+    assert download_backoff(10_000) == 30
+
+
+TINY_PARAMETERS_BANDWIDTH = 0.05  # Mbit/s: slow enough that the tiny model's timeouts leave their floors
+
+
+@pytest.mark.timeout(180)
+def test_derived_timeouts_reach_hivemind_s_optimizer_and_averagers_and_flags_still_win():
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    parameters = sum(param.numel() for param in model.parameters())
+    upload = TINY_PARAMETERS_BANDWIDTH * 1e6 / 8  # bytes per second
+    # by hand: groups of 2 (1 x 2 bytes a parameter through the upload per round), a state of 3 fp16 values a parameter
+    round_seconds = 2 * (1 / 2) * parameters * 2 / upload
+    expected_chunk = 2 * min(524288, parameters * 2 / 2) / upload  # the whole half it sends is under one part here
+    expected_averaging = max(3.0 + 2 * round_seconds, 2.5 * expected_chunk)  # a round waits twice a chunk for results
+    expected_load = 2 * parameters * 3 * 2 / upload
+    assert 60 < expected_averaging < 3600 and 120 < expected_load < 14400 and 3 < expected_chunk < 600
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    settings = (
+        PeerArguments(experiment_prefix="derived_timeouts"),
+        OptimizerArguments(bandwidth=TINY_PARAMETERS_BANDWIDTH),
+        AveragerArguments(target_group_size=2),
+    )
+    optimizer = monitor = None
+    try:
+        optimizer = build_optimizer(model, dht, *settings, ProgressTrackerArguments(), TrainingArguments())
+        assert optimizer.averaging_timeout == pytest.approx(expected_averaging)
+        assert optimizer.state_averager._allreduce_timeout == pytest.approx(expected_averaging)
+        assert optimizer.load_state_timeout == pytest.approx(expected_load)
+        for averager in (optimizer.state_averager, optimizer.grad_averager):
+            assert averager.next_chunk_timeout == pytest.approx(expected_chunk)
+        optimizer.shutdown()
+        monitor = build_state_averager(model, dht, *settings, TrainingArguments())  # the same RPC names: one at a time
+        assert monitor.next_chunk_timeout == pytest.approx(expected_chunk)
+        monitor.shutdown()
+        explicit = OptimizerArguments(bandwidth=0.05, averaging_timeout=17.0, load_state_timeout=9.0)
+        optimizer = build_optimizer(
+            model, dht, settings[0], explicit, settings[2], ProgressTrackerArguments(), TrainingArguments()
+        )
+        assert (optimizer.averaging_timeout, optimizer.load_state_timeout) == (17.0, 9.0)
+        assert optimizer.state_averager.next_chunk_timeout == pytest.approx(17.0 / 2.5)  # fits the explicit round
+    finally:
+        for averager in (optimizer, monitor):
+            if averager is not None:
+                averager.shutdown()
+        dht.shutdown()
+
+
+def _wait_in_another_process(future: MPFuture, started: mp.Event) -> None:
+    started.set()
+    asyncio.run(until_done(future, poll=0.05))
+
+
+def test_a_download_the_peer_abandons_is_seen_as_abandoned_in_the_averager_s_process():
+    """The averager's process stops an abandoned download once it sees its future cancelled by the peer: the same
+    MPFuture, cancelled in the process that made it, is seen done in another (its state is in shared memory)."""
+    future = MPFuture()
+    started = mp.Event()
+    child = mp.get_context("fork").Process(target=_wait_in_another_process, args=(future, started), daemon=True)
+    child.start()
+    try:
+        assert started.wait(30)
+        time.sleep(0.3)
+        assert child.is_alive(), "the other process saw the download abandoned before it was"
+        future.cancel()
+        child.join(timeout=10)
+        assert not child.is_alive(), "the other process did not see the download abandoned"
+    finally:
+        child.kill()
