@@ -26,6 +26,8 @@ from starlette.concurrency import run_in_threadpool
 
 from collab.access import issue_token, load_authority_key, new_authority_key, token_to_json, verify_join_proof
 from collab.errors import ConfigError
+from collab.schema import MAX_CONTRIBUTED_SAMPLES, PublicName
+from collab.schema import MAX_STEP as MAX_CONTRIBUTED_EPOCHS
 from web.auth import ANY_MEMBER, MONITOR_ONLY, check_experiment_access, is_admin, require_admin
 from web.forms import served_config, validated_config
 from web.logsafe import printable
@@ -38,6 +40,7 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 ASCII_INT = re.compile(r"-?[0-9]{1,19}")
 MAX_STEP = 10**12
 MAX_METRICS_PAGE = 1000
+MAX_CONTRIBUTORS = 100  # the monitor reports its top 100 (monitor.aggregate.MAX_CONTRIBUTORS_REPORTED)
 
 
 def ascii_int(value: Any) -> Any:
@@ -82,8 +85,21 @@ class JoinIn(BaseModel):
     proof: str = Field(min_length=1, max_length=4096, description="base64 signature of the join proof by the key")
 
 
+class ContributorIn(BaseModel):
+    """One peer's contribution as the monitor reports it (monitor.aggregate.top_contributors); the name is checked
+    again here, by the same rule, since whoever holds the monitor token can post anything."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    peer: str = Field(pattern=r"^[0-9a-f]{12}$", description="first 12 hex digits of the sha256 of its public key")
+    name: PublicName | None = None
+    samples: int = Field(ge=0, le=MAX_CONTRIBUTED_SAMPLES)
+    rounds: int = Field(ge=0, le=MAX_CONTRIBUTED_EPOCHS)
+    seconds_online: float = Field(ge=0, le=1e11)
+    last_seen: float = Field(ge=0, le=1e11)
+
+
 class MetricsIn(BaseModel):
-    """One aggregated global step, as the monitor posts it; evaluation results are optional."""
+    """One aggregated global step, as the monitor posts it; evaluation results and contributors are optional."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     step: int = Field(ge=0, le=MAX_STEP)
@@ -97,6 +113,7 @@ class MetricsIn(BaseModel):
     eval_accuracy: float | None = Field(default=None, ge=0, le=100)
     eval_exact_match: float | None = Field(default=None, ge=0, le=100)
     eval_f1: float | None = Field(default=None, ge=0, le=100)
+    contributors: list[ContributorIn] | None = Field(default=None, max_length=MAX_CONTRIBUTORS)
 
 
 def store_of(request: Request) -> Store:
@@ -267,9 +284,13 @@ def join(body: JoinIn, request: Request, experiment: Experiment = Depends(for_me
 
 @router.post("/experiments/{experiment_id}/metrics")
 def post_metrics(body: MetricsIn, request: Request, experiment: Experiment = Depends(for_monitor)) -> dict[str, Any]:
-    """One aggregated global step from the monitor (monitor token); posting a step again replaces it."""
-    record = body.model_dump()
-    store_of(request).put_metrics(experiment.id, record)
+    """One aggregated global step from the monitor (monitor token); posting a step again replaces it.
+
+    ``contributors`` are kept apart (the latest list only, read with GET .../contributors): the step's record, as
+    stored and returned, is without them."""
+    record = body.model_dump(exclude={"contributors"})
+    contributors = None if body.contributors is None else [c.model_dump() for c in body.contributors]
+    store_of(request).put_metrics(experiment.id, record, contributors)
     return record
 
 
@@ -286,6 +307,15 @@ def get_metrics(
     """
     find_experiment(request, experiment_id)
     return store_of(request).metrics(experiment_id, after, limit)
+
+
+@router.get("/experiments/{experiment_id}/contributors")
+def get_contributors(experiment_id: ExperimentId, request: Request) -> dict[str, Any]:
+    """The peers with the most samples, as the monitor last reported them (public: the dashboard shows them):
+    ``{"step": N or null, "contributors": [{"peer", "name", "samples", "rounds", "seconds_online", "last_seen"}]}``.
+    Samples and rounds are what each peer's signed records claim."""
+    find_experiment(request, experiment_id)
+    return store_of(request).contributors(experiment_id)
 
 
 def _upload_fields(fields: dict[str, str]) -> tuple[int, float | None, str]:

@@ -6,7 +6,9 @@ user's input and the message beside the field it names (status 422).
 
 from __future__ import annotations
 
+import math
 import shlex
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,33 @@ def join_commands(base_url: str, experiment_id: int, peer_token: str, monitor_to
         "monitor_with_uploads": f"{monitor} --store_checkpoints --upload_interval 60 "
         f"--upload_to {shlex.quote(api + '/checkpoints')}",
     }
+
+
+def duration_text(seconds: float) -> str:
+    """``2 h 5 min``, ``3 min 20 s`` or ``40 s``: as dashboard.js's ``duration`` writes it."""
+    total = max(0, math.floor(seconds + 0.5))
+    hours, minutes = total // 3600, total % 3600 // 60
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min {total % 60} s" if minutes else f"{total} s"
+
+
+def utc_text(timestamp: float) -> str:
+    """``2026-11-25 19:11:02 UTC``: as dashboard.js's ``utc`` writes it."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timestamp))
+
+
+def contributor_rows(contributors: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The Contributors table's cells as text (the template escapes them); dashboard.js refreshes them alike."""
+    return [
+        {
+            "contributor": c["name"] or c["peer"],
+            "peer": c["peer"],
+            "samples": str(c["samples"]),
+            "rounds": str(c["rounds"]),
+            "online": duration_text(c["seconds_online"]),
+            "last_seen": utc_text(c["last_seen"]),
+        }
+        for c in contributors
+    ]
 
 
 def _store(request: Request) -> Store:
@@ -226,4 +255,5 @@ def experiment_page(experiment_id: ExperimentId, request: Request) -> HTMLRespon
         commands=join_commands(base_url, experiment.id, experiment.token, experiment.monitor_token) if admin else None,
         versions=_store(request).versions(experiment.id) if admin else [],
         max_steps=int(experiment.config.get("max_steps") or 0),
+        contributors=contributor_rows(_store(request).contributors(experiment.id)["contributors"]),
     )

@@ -1,4 +1,4 @@
-"""SQLite store of experiments, their config versions, metrics and checkpoints.
+"""SQLite store of experiments, their config versions, metrics, contributors and checkpoints.
 
 One connection per operation and one transaction per write (WAL journal, synchronous=FULL): once a request is
 answered, its write survives a restart or a power cut. The file holds the experiment tokens in clear (the admin
@@ -45,6 +45,11 @@ CREATE TABLE IF NOT EXISTS metrics (
     step INTEGER NOT NULL,
     record TEXT NOT NULL,
     PRIMARY KEY (experiment_id, step)
+);
+CREATE TABLE IF NOT EXISTS contributors (
+    experiment_id INTEGER PRIMARY KEY REFERENCES experiments(id),
+    step INTEGER NOT NULL,
+    record TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS authority_keys (
     experiment_id INTEGER PRIMARY KEY REFERENCES experiments(id),
@@ -232,13 +237,23 @@ class Store:
 
     # metrics
 
-    def put_metrics(self, experiment_id: int, record: dict[str, Any]) -> None:
-        """Store one aggregated step; posting the same step again replaces it."""
+    def put_metrics(
+        self, experiment_id: int, record: dict[str, Any], contributors: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Store one aggregated step; posting the same step again replaces it. ``contributors`` (validated and
+        bounded by the caller) replace the experiment's list unless it is from a later step."""
         with self._transaction() as conn:
             conn.execute(
                 "INSERT OR REPLACE INTO metrics (experiment_id, step, record) VALUES (?, ?, ?)",
                 (experiment_id, record["step"], json.dumps(record)),
             )
+            if contributors is not None:
+                conn.execute(
+                    "INSERT INTO contributors (experiment_id, step, record) VALUES (?, ?, ?) "
+                    "ON CONFLICT (experiment_id) DO UPDATE SET step = excluded.step, record = excluded.record "
+                    "WHERE excluded.step >= contributors.step",
+                    (experiment_id, record["step"], json.dumps(contributors)),
+                )
 
     def metrics(self, experiment_id: int, after: int = -1, limit: int = -1) -> list[dict[str, Any]]:
         """Steps after ``after`` in step order, at most ``limit`` of them (-1: all)."""
@@ -248,6 +263,16 @@ class Store:
                 (experiment_id, after, limit),
             ).fetchall()
         return [json.loads(row["record"]) for row in rows]
+
+    def contributors(self, experiment_id: int) -> dict[str, Any]:
+        """``{"step": the step they were reported with (None before the first report), "contributors": [...]}``."""
+        with self._reader() as conn:
+            row = conn.execute(
+                "SELECT step, record FROM contributors WHERE experiment_id = ?", (experiment_id,)
+            ).fetchone()
+        if row is None:
+            return {"step": None, "contributors": []}
+        return {"step": row["step"], "contributors": json.loads(row["record"])}
 
     # checkpoints
 

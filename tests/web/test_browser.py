@@ -18,6 +18,7 @@ from tests.web.live import WebServer, running_web_server
 pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
+SCRIPT_NAME = "<script>alert(1)</script>"  # a volunteer's --public_name: shown as text, never run
 ADMIN_TOKEN = "browser-test-admin-token"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -59,6 +60,8 @@ def page(server):
 
             page.route("**/*", only_the_app)
             page.on("console", lambda m: m.type == "error" and page.console_errors.append(m.text))
+            page.dialogs = []
+            page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
             yield page
         finally:
             browser.close()
@@ -75,6 +78,12 @@ def post_metrics(server: WebServer, token: str, step: int) -> None:
     }
     if step == 4:
         record["eval_loss"] = 4.5
+        record["contributors"] = [
+            {"peer": "0123456789ab", "name": SCRIPT_NAME, "samples": 384, "rounds": 3, "seconds_online": 75.0,
+             "last_seen": record["time"]},
+            {"peer": "fedcba987654", "name": None, "samples": 128, "rounds": 1, "seconds_online": 0.0,
+             "last_seen": record["time"]},
+        ]  # fmt: skip
     response = requests.post(
         f"{server.url}/api/experiments/1/metrics",
         json=record,
@@ -121,6 +130,16 @@ def test_configure_save_join_and_watch_the_dashboard(server, page, tmp_path):
     expect(page.locator("#stat-eval_loss")).to_have_text("4.500")
     expect(page.locator("#stat-sps")).to_have_text("34.0")
     assert page.locator("#chart-loss polyline.s1").get_attribute("points").count(",") == 4
+    for drawn_by in ("dashboard.js", "the template"):
+        rows = page.locator("#contributors tbody tr")
+        expect(rows).to_have_count(2)
+        expect(rows.nth(0).locator("td")).to_have_text(
+            [SCRIPT_NAME, "0123456789ab", "384", "3", "1 min 15 s", "2023-11-14 22:14:00 UTC"]
+        )
+        expect(rows.nth(1).locator("td").first).to_have_text("fedcba987654")  # no name: its short key
+        assert page.locator("#contributors script").count() == 0, f"a name became a script ({drawn_by})"
+        page.reload()
+    assert page.dialogs == [], "a contributor's name ran as a script"
     post_metrics(server, token, 5)
     expect(page.locator("#stat-step")).to_have_text("5")
 

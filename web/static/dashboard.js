@@ -1,5 +1,5 @@
-// Live dashboard of one experiment: polls the metrics and checkpoints API and draws SVG charts (no library, no
-// network beyond this app). Data is only ever inserted with textContent / setAttribute, never as HTML.
+// Live dashboard of one experiment: polls the metrics, contributors and checkpoints API and draws SVG charts (no
+// library, no network beyond this app). Data is only ever inserted with textContent / setAttribute, never as HTML.
 "use strict";
 (function () {
   const root = document.getElementById("dashboard");
@@ -36,6 +36,10 @@
     const s = Math.max(0, Math.round(seconds));
     const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
     return h ? `${h} h ${m} min` : m ? `${m} min ${s % 60} s` : `${s} s`;
+  }
+
+  function utc(seconds) {
+    return new Date(seconds * 1000).toISOString().slice(0, 19).replace("T", " ") + " UTC";
   }
 
   function extent(values) {
@@ -169,6 +173,26 @@
     document.getElementById("no-checkpoints").hidden = Boolean(list.length);
   }
 
+  // Formatted as web/pages.py's contributor_rows formats the table the page arrives with.
+  function renderContributors(report) {
+    const table = document.getElementById("contributors");
+    const body = table.querySelector("tbody");
+    body.replaceChildren();
+    for (const c of report.contributors) {
+      const row = body.insertRow();
+      row.insertCell().textContent = c.name || c.peer;
+      const key = document.createElement("code");
+      key.textContent = c.peer;
+      row.insertCell().appendChild(key);
+      row.insertCell().textContent = String(c.samples);
+      row.insertCell().textContent = String(c.rounds);
+      row.insertCell().textContent = duration(c.seconds_online);
+      row.insertCell().textContent = utc(c.last_seen);
+    }
+    table.hidden = !report.contributors.length;
+    document.getElementById("no-contributors").hidden = Boolean(report.contributors.length);
+  }
+
   async function poll() {
     try {
       // Paged: a full page means more may follow. The last step is asked again, as the monitor may re-post it.
@@ -186,6 +210,9 @@
       const checkpoints = await fetch(`/api/experiments/${id}/checkpoints`, { cache: "no-store" });
       if (!checkpoints.ok) throw new Error(`checkpoints: HTTP ${checkpoints.status}`);
       renderCheckpoints(await checkpoints.json());
+      const contributors = await fetch(`/api/experiments/${id}/contributors`, { cache: "no-store" });
+      if (!contributors.ok) throw new Error(`contributors: HTTP ${contributors.status}`);
+      renderContributors(await contributors.json());
       renderMetrics();
       setText("status", `live · updated ${new Date().toLocaleTimeString()}`);
     } catch (error) {
