@@ -2,6 +2,7 @@
 
 ``python tests/faulty_peer.py --faults nan_loss@3,nan_parameters@5,drift_parameters@4 [run_trainer.py flags]``
 ``python tests/faulty_monitor.py --faults pause_checkpoint_write@2=60 [run_training_monitor.py flags]``
+``python tests/faulty_peer.py --faults pause_model_save@1=60 [run_trainer.py flags]``
 
 - ``nan_loss@E``: the first forward pass in global epoch E returns a NaN loss (so NaN gradients): the loop must
   drop that mini-batch before it reaches an averaging round.
@@ -12,13 +13,17 @@
   (``--average_state_every``) must bring the peers back into agreement.
 - ``pause_checkpoint_write@N=S``: the N-th checkpoint write of the process stops S seconds after the weights,
   before the manifest, so a test can kill the monitor in the middle of a save.
+- ``pause_model_save@N=S``: the N-th save of the model to ``--output_dir`` by the process stops S seconds before it
+  is written, so a test can see a peer's shutdown run out of time before its final save.
 
 Each ``@E`` fault fires once. The production code knows nothing of them: the wrappers patch names in their own
-process (``trainer.peer.train``, ``collab.checkpoint.stage_checkpoint_files``), then call the real ``main(argv)``.
+process (``trainer.peer.train``, ``trainer.peer.atomic_directory``, ``collab.checkpoint.stage_checkpoint_files``),
+then call the real ``main(argv)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -40,6 +45,9 @@ class Faults:
     pause_write_number: int = 0  # which checkpoint write pauses (1 = the first); 0: none
     pause_seconds: float = 0.0
     writes: int = 0
+    pause_save_number: int = 0  # which save of the model pauses (1 = the first); 0: none
+    pause_save_seconds: float = 0.0
+    saves: int = 0
     fired: set[str] = field(default_factory=set)
 
     def fire(self, name: str, epoch: int) -> bool:
@@ -62,6 +70,8 @@ def parse_faults(spec: str) -> Faults:
                 faults.at_epoch[name] = int(when)
             elif name == "pause_checkpoint_write" and eq:
                 faults.pause_write_number, faults.pause_seconds = int(number), float(seconds)
+            elif name == "pause_model_save" and eq:
+                faults.pause_save_number, faults.pause_save_seconds = int(number), float(seconds)
             else:
                 raise ValueError
         except ValueError:
@@ -106,16 +116,30 @@ def pause_checkpoint_writes(faults: Faults) -> None:
 
 
 def inject_training_faults(faults: Faults) -> None:
-    """Every training run of this process (``trainer.peer.train``) gets the configured faults first."""
+    """Every training run of this process (``trainer.peer.train``) gets the configured faults first; the configured
+    save of the model (``trainer.peer.atomic_directory``) pauses before it is written."""
     import trainer.peer
 
     train = trainer.peer.train
+    atomic_directory = trainer.peer.atomic_directory
+
+    @contextlib.contextmanager
+    def pause_then_atomic_directory(target, *args, **kwargs):
+        faults.saves += 1
+        if faults.saves == faults.pause_save_number:
+            logger.warning(
+                "Test fault: pausing the save of the model to %s for %.0f s", target, faults.pause_save_seconds
+            )
+            time.sleep(faults.pause_save_seconds)
+        with atomic_directory(target, *args, **kwargs) as folder:
+            yield folder
 
     def train_with_faults(model, optimizer, callback, *args, **kwargs):
         install_training_faults(faults, model, optimizer, callback)
         return train(model, optimizer, callback, *args, **kwargs)
 
     trainer.peer.train = train_with_faults
+    trainer.peer.atomic_directory = pause_then_atomic_directory
 
 
 def install_training_faults(faults: Faults, model: torch.nn.Module, optimizer, callback) -> None:
