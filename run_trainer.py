@@ -4,6 +4,7 @@ python run_trainer.py --experiment_prefix my_run                        # first 
 python run_trainer.py --experiment_prefix my_run --initial_peers /ip4/...   # every other peer
 python run_trainer.py my_config.json                                     # same, from a JSON config
 python run_trainer.py --config http://HOST:8000/api/experiments/1/config --config_token TOKEN  # from the web app
+torchrun --standalone --nproc_per_node 4 run_trainer.py ...              # one peer on all 4 GPUs of this machine
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Sequence
 
 from arguments import TRAINER_ARGUMENTS
 from collab.entry import run_program
-from trainer.peer import run_peer
+from trainer.follower import run_rank
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_program("run_trainer.py", TRAINER_ARGUMENTS, run_peer, argv)
+    return run_program("run_trainer.py", TRAINER_ARGUMENTS, run_rank, argv)
 
 
 if __name__ == "__main__":

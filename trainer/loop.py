@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 from arguments import TrainingArguments
 from collab import events
 from collab.callback import CollaborativeCallback, EpochReport
+from collab.errors import ConfigError
+from trainer.ranks import RankSync, StepStart
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +127,45 @@ def flush_denormals() -> bool:
     return torch.set_flush_denormal(True)
 
 
-def mixed_precision(fp16: bool, device: torch.device) -> bool:
-    """Whether ``--fp16`` applies on ``device``: fp16 autocast with loss scaling runs on CUDA; CPUs train in fp32."""
-    return fp16 and device.type == "cuda"
+def autocast_dtype(training_args: TrainingArguments, device: torch.device) -> torch.dtype | None:
+    """The dtype the forward pass autocasts to on ``device``, None for fp32.
+
+    ``--bf16``: bfloat16 on GPUs that have it (compute capability 8.0 and newer) and on CPUs, without loss scaling
+    (bfloat16 has fp32's range); ``--fp16``: float16 with loss scaling on GPUs, while CPUs train in fp32."""
+    if training_args.bf16:
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise ConfigError(
+                f"--bf16: GPU {device} has no bfloat16 arithmetic (it needs compute capability 8.0+: A100, RTX 30xx "
+                "or newer): pass --bf16 false --fp16 true"
+            )
+        return torch.bfloat16
+    if training_args.fp16 and device.type == "cuda":
+        return torch.float16
+    return None
 
 
-def amp_context(device: torch.device, enabled: bool):
-    return torch.autocast(device_type=device.type, dtype=torch.float16) if enabled else contextlib.nullcontext()
+def amp_context(device: torch.device, enabled: bool, dtype: torch.dtype = torch.float16):
+    return torch.autocast(device_type=device.type, dtype=dtype) if enabled else contextlib.nullcontext()
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    batches: Iterator[dict[str, torch.Tensor]],
+    accumulation: int,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    scale: Callable[[torch.Tensor], torch.Tensor],
+) -> float:
+    """Forward and backward ``accumulation`` mini-batches, each loss multiplied by ``scale`` (the fp16 loss scale);
+    returns their mean loss."""
+    loss_value = 0.0
+    for _ in range(accumulation):
+        batch = {name: tensor.to(device, non_blocking=True) for name, tensor in next(batches).items()}
+        with amp_context(device, amp_dtype is not None, amp_dtype or torch.float16):
+            loss = model(**batch).loss / accumulation
+        scale(loss).backward()
+        loss_value += loss.item()
+    return loss_value
 
 
 def train(
@@ -142,16 +176,21 @@ def train(
     training_args: TrainingArguments,
     device: torch.device,
     stop: threading.Event,
-    use_amp: bool,
+    amp_dtype: torch.dtype | None,
 ) -> TrainingSummary:
     """Train until ``stop`` is set or the global epoch reaches ``max_steps``.
 
     Mini-batches with a non-finite loss or gradient are dropped before they reach the optimizer, so one bad batch
-    never enters an averaging round. With ``use_amp`` (see ``mixed_precision``) the forward pass runs under fp16
-    autocast and each mini-batch is unscaled before clipping: plain PyTorch AMP, as hivemind advises when
-    reuse_grad_buffers is off (its GradScaler is only needed with reuse_grad_buffers, which we do not use).
+    never enters an averaging round. With ``amp_dtype`` (see ``autocast_dtype``) the forward pass runs under autocast;
+    for float16 each mini-batch is also scaled and unscaled before clipping: plain PyTorch AMP, as hivemind advises
+    when reuse_grad_buffers is off (its GradScaler is only needed with reuse_grad_buffers, which we do not use).
+
+    Under torchrun this is rank 0's loop: the other ranks run ``follow``, and every step starts from rank 0's
+    parameters and steps on the gradients of all ranks (``trainer.ranks``).
     """
-    scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    sync = RankSync(model, device)
+    samples_per_step = optimizer.batch_size_per_step * sync.ranks.world_size
     accumulation = training_args.gradient_accumulation_steps
     summary = TrainingSummary(start_epoch=optimizer.local_epoch)
     model.train()
@@ -160,15 +199,16 @@ def train(
     bar = tqdm(
         total=optimizer.target_batch_size, unit="samples", desc="global batch", disable=None, dynamic_ncols=True
     )
+
+    def step_start() -> StepStart:
+        keep_going = not stop.is_set() and not reached_max_steps(optimizer.local_epoch, training_args.max_steps)
+        return StepStart(keep_going, optimizer.local_epoch, scaler.get_scale())
+
     try:
-        while not stop.is_set() and not reached_max_steps(optimizer.local_epoch, training_args.max_steps):
-            loss_value = 0.0
-            for _ in range(accumulation):
-                batch = {name: tensor.to(device, non_blocking=True) for name, tensor in next(batches).items()}
-                with amp_context(device, use_amp):
-                    loss = model(**batch).loss / accumulation
-                scaler.scale(loss).backward()
-                loss_value += loss.item()
+        while sync.start_step(step_start()).keep_going:
+            loss_value = accumulate_gradients(model, batches, accumulation, device, amp_dtype, scaler.scale)
+            # before unscaling: a rank's overflow reaches this scaler, which then backs off for every rank
+            loss_value = sync.reduce_gradients(loss_value)
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
             if not (math.isfinite(loss_value) and torch.isfinite(grad_norm)):
@@ -178,12 +218,12 @@ def train(
                 scaler.update()
                 optimizer.zero_grad()
                 continue
-            scaler.step(optimizer)
+            scaler.step(optimizer, batch_size=samples_per_step)
             scaler.update()
             optimizer.zero_grad()
             steps.ended(time.monotonic())
 
-            report = callback.on_step_end(loss_value, optimizer.batch_size_per_step)
+            report = callback.on_step_end(loss_value, samples_per_step)
             progress = optimizer.tracker.global_progress
             if report is not None:
                 epochs.ended(time.monotonic())
@@ -200,6 +240,32 @@ def train(
     summary.end_epoch = optimizer.local_epoch
     summary.rollbacks = callback.rollbacks
     return summary
+
+
+def follow(
+    model: torch.nn.Module,
+    batches: Iterator[dict[str, torch.Tensor]],
+    training_args: TrainingArguments,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+) -> int:
+    """The loop of a torchrun rank other than 0: gradients on its own mini-batches, averaged into rank 0's step, and
+    rank 0's parameters at the start of each step. Returns rank 0's last global epoch once rank 0 stops; signals are
+    rank 0's to act on (torchrun sends them to every rank)."""
+    sync = RankSync(model, device)
+    model.train()
+    while (start := sync.start_step(None)).keep_going:
+        loss_value = accumulate_gradients(
+            model,
+            batches,
+            training_args.gradient_accumulation_steps,
+            device,
+            amp_dtype,
+            lambda loss, scale=start.loss_scale: loss * scale,
+        )
+        sync.reduce_gradients(loss_value)
+        model.zero_grad(set_to_none=False)
+    return start.epoch
 
 
 def reached_max_steps(epoch: int, max_steps: int) -> bool:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import torch
-
 from arguments import (
     AveragerArguments,
     CollaborationArguments,
@@ -23,15 +21,12 @@ from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed
 from collab.schema import make_validators
 from collab.storage import atomic_directory
 from trainer.data import batch_stream, peer_data_seed
-from trainer.loop import TrainingSummary, flush_denormals, mixed_precision, train
+from trainer.loop import TrainingSummary, autocast_dtype, flush_denormals, train
 from trainer.model import build_model, load_tokenizer
+from trainer.ranks import training_device
 from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
-
-
-def training_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def run_peer(
@@ -82,8 +77,8 @@ def _train_and_save(
 ) -> TrainingSummary:
     flush_denormals()
     device = training_device()
-    use_amp = mixed_precision(training_args.fp16, device)
-    if training_args.fp16 and not use_amp:
+    amp_dtype = autocast_dtype(training_args, device)
+    if training_args.fp16 and amp_dtype is None:
         logger.info("fp16 needs CUDA: training in fp32 on %s", device.type)
     task = TASKS[dataset_args.task]
     tokenizer = load_tokenizer(dataset_args)
@@ -135,7 +130,7 @@ def _train_and_save(
             training_args.dataloader_num_workers,
             pin_memory=device.type == "cuda",
         )
-        summary = train(model, optimizer, callback, batches, training_args, device, stop, use_amp)
+        summary = train(model, optimizer, callback, batches, training_args, device, stop, amp_dtype)
     finally:
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:

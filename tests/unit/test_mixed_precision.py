@@ -1,8 +1,9 @@
-"""The fp16 path every GPU volunteer takes (autocast, loss scaling, unscale before clipping, hivemind.Optimizer).
+"""The mixed-precision paths GPU volunteers take: fp16 (autocast, loss scaling, unscale before clipping) and bf16
+(autocast, no scaling), each through hivemind.Optimizer.
 
-CI has no GPU, but PyTorch runs fp16 autocast and GradScaler on CPU too, so these tests drive the trainer's own
-``train()`` with ``use_amp=True`` on CPU against a real hivemind.Optimizer (one peer, 127.0.0.1) and compare it
-with the fp32 path on the same model, data and seed.
+CI has no GPU, but PyTorch runs fp16 and bf16 autocast and GradScaler on CPU too, so these tests drive the trainer's
+own ``train()`` on CPU against a real hivemind.Optimizer (one peer, 127.0.0.1) and compare it with the fp32 path on
+the same model, data and seed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from arguments import (
+    TRAINER_ARGUMENTS,
     AveragerArguments,
     CollaborationArguments,
     DatasetArguments,
@@ -21,12 +23,14 @@ from arguments import (
     PeerArguments,
     ProgressTrackerArguments,
     TrainingArguments,
+    parse_args,
 )
 from collab.callback import CollaborativeCallback
+from collab.errors import ConfigError
 from collab.optim import build_optimizer
 from collab.schema import make_validators
 from trainer.data import batch_stream
-from trainer.loop import TrainingSummary, mixed_precision, train
+from trainer.loop import TrainingSummary, autocast_dtype, train
 from trainer.model import build_model, load_tokenizer
 from trainer.tasks import TASKS
 
@@ -40,19 +44,46 @@ NO_DELAY = {"delay_optimizer_step": False, "delay_grad_averaging": False}
 NO_REFRESH = {"min_refresh_period": 60.0, "max_refresh_period": 60.0, "default_refresh_period": 60.0}
 
 
-def test_fp16_applies_on_cuda_only():
-    assert mixed_precision(True, torch.device("cuda"))
-    assert not mixed_precision(True, torch.device("cpu"))
-    assert not mixed_precision(False, torch.device("cuda"))
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+FP32_ONLY = TrainingArguments(fp16=False)
+BF16 = TrainingArguments(fp16=False, bf16=True)
+
+
+def test_fp16_applies_on_cuda_only_and_bf16_on_cpus_too():
+    assert autocast_dtype(TrainingArguments(), CUDA) == torch.float16
+    assert autocast_dtype(TrainingArguments(), CPU) is None
+    assert autocast_dtype(FP32_ONLY, CUDA) is None
+    assert autocast_dtype(BF16, CPU) == torch.bfloat16
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False),
+    reason="this machine's GPU has bfloat16",
+)
+def test_bf16_is_refused_on_a_gpu_without_bfloat16():
+    with pytest.raises(ConfigError, match=r"^--bf16: GPU cuda:0 has no bfloat16 arithmetic") as refused:
+        autocast_dtype(BF16, CUDA)
+    assert refused.value.field == "bf16" and "\n" not in str(refused.value)
+
+
+def test_fp16_and_bf16_together_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^--bf16: choose one mixed precision: pass --fp16 false") as refused:
+        parse_args(TRAINER_ARGUMENTS, ["--bf16"])  # --fp16 is on by default
+    assert refused.value.field == "bf16"
+    with pytest.raises(ConfigError, match=r"^--bf16: choose one"):
+        TrainingArguments(fp16=True, bf16=True)
+    training_args = parse_args(TRAINER_ARGUMENTS, ["--bf16", "--fp16", "false"])[-1]
+    assert (training_args.bf16, training_args.fp16) == (True, False)
 
 
 Weights = dict[str, torch.Tensor]
 
 
-def train_alone(use_amp: bool, prefix: str) -> tuple[TrainingSummary, Weights, Weights]:
-    """STEPS global steps of one peer on CPU, as run_peer assembles it; the summary, weights before and after."""
+def train_alone(amp_dtype: torch.dtype | None, prefix: str) -> tuple[TrainingSummary, Weights, Weights]:
+    """STEPS global steps of one peer on CPU under ``amp_dtype`` autocast (None: fp32), as run_peer assembles it; the
+    summary, weights before and after."""
     dataset_args = DatasetArguments()
-    training_args = TrainingArguments(fp16=use_amp, max_steps=STEPS, per_device_train_batch_size=8, seed=7)
+    training_args = TrainingArguments(max_steps=STEPS, per_device_train_batch_size=8, seed=7)
     task = TASKS[dataset_args.task]
     tokenizer = load_tokenizer(dataset_args)
     model, _ = build_model(dataset_args, tokenizer, training_args.seed)
@@ -88,9 +119,7 @@ def train_alone(use_amp: bool, prefix: str) -> tuple[TrainingSummary, Weights, W
                 data_seed=11,
                 task=task.name,
             )
-            summary = train(
-                model, optimizer, callback, batches, training_args, torch.device("cpu"), threading.Event(), use_amp
-            )
+            summary = train(model, optimizer, callback, batches, training_args, CPU, threading.Event(), amp_dtype)
         finally:
             optimizer.shutdown()
     finally:
@@ -98,24 +127,55 @@ def train_alone(use_amp: bool, prefix: str) -> tuple[TrainingSummary, Weights, W
     return summary, before, {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-@pytest.mark.timeout(240)
-def test_fp16_path_takes_the_same_steps_as_fp32():
-    fp32, start, fp32_after = train_alone(False, "amp_fp32")
-    fp16, fp16_start, fp16_after = train_alone(True, "amp_fp16")
-    assert all(torch.equal(start[name], fp16_start[name]) for name in start)  # same seed, same initial model
+@pytest.fixture(scope="module")
+def fp32_run() -> tuple[TrainingSummary, Weights, Weights]:
+    return train_alone(None, "amp_fp32")
 
-    for summary in (fp32, fp16):
-        assert summary.end_epoch == STEPS and summary.rollbacks == 0
-        assert summary.last_loss is not None and summary.last_loss < summary.first_loss
+
+def update_cosine(fp32_run, other_start: Weights, other_after: Weights) -> float:
+    """Cosine between the fp32 run's update of the weights and the other run's, checking both started alike."""
+    _, start, fp32_after = fp32_run
+    assert all(torch.equal(start[name], other_start[name]) for name in start)  # same seed, same initial model
+    fp32_update = torch.cat([(fp32_after[name] - start[name]).flatten() for name in start])
+    other_update = torch.cat([(other_after[name] - start[name]).flatten() for name in start])
+    assert fp32_update.norm() > 0
+    return float(torch.nn.functional.cosine_similarity(fp32_update, other_update, dim=0))
+
+
+def assert_trained(summary: TrainingSummary, after: Weights) -> None:
+    assert summary.end_epoch == STEPS and summary.rollbacks == 0
+    assert summary.last_loss is not None and summary.last_loss < summary.first_loss
+    assert all(torch.isfinite(param).all() for param in after.values())
+
+
+@pytest.mark.timeout(240)
+def test_fp16_path_takes_the_same_steps_as_fp32(fp32_run):
+    fp32 = fp32_run[0]
+    fp16, fp16_start, fp16_after = train_alone(torch.float16, "amp_fp16")
+    assert_trained(fp32, fp32_run[2])
+    assert_trained(fp16, fp16_after)
     assert fp32.skipped_batches == 0
     assert fp16.skipped_batches <= 2  # the loss scale may start too high for a batch or two, then backs off
-    assert all(torch.isfinite(param).all() for param in fp16_after.values())
     assert [r.mini_steps for r in fp16.reports] == [r.mini_steps for r in fp32.reports]  # the same micro-batches
+    assert fp16.first_loss != fp32.first_loss  # the forward pass ran in float16
 
     # Same data, same Lamb steps: fp16 rounding moves the updates a little, never their direction.
-    fp32_update = torch.cat([(fp32_after[name] - start[name]).flatten() for name in start])
-    fp16_update = torch.cat([(fp16_after[name] - start[name]).flatten() for name in start])
-    assert fp32_update.norm() > 0
-    cosine = torch.nn.functional.cosine_similarity(fp32_update, fp16_update, dim=0)
+    cosine = update_cosine(fp32_run, fp16_start, fp16_after)
     assert cosine > 0.99, cosine
     assert abs(fp16.last_loss / fp32.last_loss - 1) < 0.01, (fp16.last_loss, fp32.last_loss)
+
+
+@pytest.mark.timeout(240)
+def test_bf16_path_takes_the_same_steps_as_fp32_without_loss_scaling(fp32_run):
+    fp32 = fp32_run[0]
+    bf16, bf16_start, bf16_after = train_alone(autocast_dtype(BF16, CPU), "amp_bf16")
+    assert_trained(bf16, bf16_after)
+    assert bf16.skipped_batches == 0  # no loss scale to back off: bfloat16 has fp32's range
+    assert [r.mini_steps for r in bf16.reports] == [r.mini_steps for r in fp32.reports]
+
+    assert bf16.first_loss != fp32.first_loss  # the forward pass ran in bfloat16
+    # bfloat16 keeps 8 bits of mantissa to fp16's 11; Lamb's first steps follow the gradients' signs, which its
+    # rounding leaves alike (measured: cosine 1.00001)
+    cosine = update_cosine(fp32_run, bf16_start, bf16_after)
+    assert cosine > 0.99, cosine
+    assert abs(bf16.last_loss / fp32.last_loss - 1) < 0.02, (bf16.last_loss, fp32.last_loss)

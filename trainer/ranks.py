@@ -1,0 +1,229 @@
+"""One peer on all of a machine's devices: the ranks that ``torchrun --nproc_per_node N run_trainer.py ...`` starts.
+
+Rank 0 is the peer the swarm sees: it alone runs hivemind (DHT, optimizer, state downloads, metrics, backups, events,
+the saved model). Every rank computes gradients on its own data. Each optimizer step (a mini-step) goes:
+
+1. ``RankSync.start_step``: rank 0 broadcasts whether to go on, its global epoch, its loss scale and its parameters,
+   so every rank starts the step from rank 0's parameters (a state download, a delayed update or a rollback on rank 0
+   reaches the others here, a step later at the latest);
+2. every rank runs forward and backward on its own mini-batches;
+3. ``RankSync.reduce_gradients``: gradients and losses are averaged across ranks before rank 0 unscales, clips and
+   steps, so rank 0's optimizer gets the mean gradient of ``world_size`` times its own samples.
+
+Parameters go out at every mini-step, changed or not: as many bytes as the gradients, over the machine's own links
+(NVLink or PCIe between GPUs), and never wrong after a change that only rank 0 saw.
+
+A plain ``python run_trainer.py`` is one process without torch.distributed: ``ALONE``, and every exchange is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from collab import events
+from collab.errors import SetupError
+
+logger = logging.getLogger(__name__)
+
+MAX_RANKS = 1024  # torchrun's --nproc_per_node on one machine; a larger WORLD_SIZE is not a machine's devices
+BUCKET_ELEMENTS = 1 << 24  # values per collective (64 MiB of fp32): bounds the extra memory of flattening
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in its peer: rank ``rank`` of ``world_size`` processes on this machine."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+ALONE = Ranks()
+
+
+def _env_int(env: Mapping[str, str], name: str, low: int, high: int) -> int:
+    value = env.get(name, "")
+    if not (value.isascii() and value.isdigit() and low <= int(value) <= high):
+        raise SetupError(f"torchrun: {name} must be an integer from {low} to {high} (got {value[:20]!r})")
+    return int(value)
+
+
+def ranks_from_env(env: Mapping[str, str]) -> Ranks:
+    """The ranks torchrun describes in ``env`` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); ``ALONE`` without
+    WORLD_SIZE (plain python) or with one process. SetupError for a layout that is not one machine's processes."""
+    if "WORLD_SIZE" not in env:
+        return ALONE
+    world_size = _env_int(env, "WORLD_SIZE", 1, MAX_RANKS)
+    if world_size == 1:
+        return ALONE
+    rank = _env_int(env, "RANK", 0, world_size - 1)
+    local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", 1, MAX_RANKS)
+    if local_world_size != world_size:
+        raise SetupError(
+            f"torchrun: one machine is one peer, but WORLD_SIZE {world_size} spans machines (LOCAL_WORLD_SIZE "
+            f"{local_world_size}): run one torchrun per machine, each with --nnodes 1 --nproc_per_node <its GPUs>"
+        )
+    if _env_int(env, "LOCAL_RANK", 0, world_size - 1) != rank:
+        raise SetupError(f"torchrun: LOCAL_RANK must equal RANK on one machine (got RANK {rank})")
+    return Ranks(rank, world_size)
+
+
+_joined = ALONE  # like torch.distributed's own default group: one per process
+
+
+def current() -> Ranks:
+    """The ranks of this process's peer (``ALONE`` outside ``process_group``)."""
+    return _joined
+
+
+def training_device(ranks: Ranks | None = None) -> torch.device:
+    """Rank r's GPU (cuda:r; cuda:0 for a plain peer) when the machine has GPUs, else the CPU."""
+    ranks = current() if ranks is None else ranks
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if ranks.rank >= torch.cuda.device_count():
+        raise SetupError(
+            f"torchrun: rank {ranks.rank} has no GPU of its own (this machine shows {torch.cuda.device_count()}): "
+            "give --nproc_per_node at most the number of GPUs"
+        )
+    return torch.device("cuda", ranks.rank)
+
+
+@contextlib.contextmanager
+def process_group(ranks: Ranks, timeout: float) -> Iterator[None]:
+    """torch.distributed among the peer's ranks for the ``with`` block (nothing for ``ALONE``): NCCL on GPUs, gloo on
+    CPUs. A collective that waits more than ``timeout`` seconds for another rank fails, and this rank exits."""
+    global _joined
+    if not ranks.distributed:
+        yield
+        return
+    device = training_device(ranks)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
+    _joined = ranks
+    logger.info("Rank %d of %d on %s; rank 0 talks to the swarm", ranks.rank, ranks.world_size, device)
+    try:
+        yield
+    finally:
+        _joined = ALONE
+        dist.destroy_process_group()
+
+
+def rank_events_path(events_path: str | None, rank: int) -> str | None:
+    """Rank r > 0 writes its events next to rank 0's: ``peer.events.jsonl`` -> ``peer.events.rank1.jsonl``."""
+    if events_path is None or rank == 0:
+        return events_path
+    path = Path(events_path)
+    return str(path.with_name(f"{path.stem}.rank{rank}{path.suffix}"))
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What rank 0 tells every rank before a mini-step."""
+
+    keep_going: bool
+    epoch: int  # rank 0's global epoch
+    loss_scale: float  # fp16 loss scale rank 0's backward uses (1.0 without), so every rank scales alike
+
+
+def buckets(tensors: Sequence[torch.Tensor], max_elements: int = BUCKET_ELEMENTS) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by dtype, in order, each group cut into runs of at most ``max_elements`` values (a larger
+    tensor is a run of its own): one flat buffer and one collective each."""
+    by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for tensor in tensors:
+        runs = by_dtype.setdefault(tensor.dtype, [[]])
+        if runs[-1] and sum(t.numel() for t in runs[-1]) + tensor.numel() > max_elements:
+            runs.append([])
+        runs[-1].append(tensor)
+    return [run for runs in by_dtype.values() for run in runs]
+
+
+@torch.no_grad()
+def flat_collective_(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> None:
+    """Run ``collective`` in place on the values of ``tensors``, one flat buffer per bucket, and copy them back."""
+    for run in buckets(tensors):
+        flat = torch.cat([tensor.reshape(-1) for tensor in run])
+        collective(flat)
+        for tensor, values in zip(run, flat.split([tensor.numel() for tensor in run]), strict=True):
+            tensor.copy_(values.view_as(tensor))
+
+
+def parameters_checksum(model: torch.nn.Module) -> str:
+    """The first 16 hex digits of the sha256 of the parameters' bytes, in order: equal on ranks with equal parameters.
+    Costs one copy of the parameters to host memory."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().reshape(-1).cpu().view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
+class RankSync:
+    """This rank's side of the per-mini-step exchange (module docstring); every method is a no-op for ``ALONE``.
+
+    Each rank emits ``ranks_synced`` (docs/EVENTS.md) with a checksum of its parameters when a step starts in a new
+    global epoch, to its own events file: ranks of one peer must report the same checksums."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, ranks: Ranks | None = None):
+        self.model, self.device = model, device
+        self.ranks = current() if ranks is None else ranks
+        self.epoch: int | None = None
+
+    def start_step(self, start: StepStart | None) -> StepStart:
+        """Rank 0 gives its ``start`` and gets it back; the others give None and get rank 0's, with its parameters."""
+        if not self.ranks.distributed:
+            return start
+        sent = [float(start.keep_going), float(start.epoch), start.loss_scale] if self.ranks.rank == 0 else [0.0] * 3
+        control = torch.tensor(sent, dtype=torch.float64, device=self.device)
+        flat_collective_([control, *(param.data for param in self.model.parameters())], _broadcast_from_rank_0)
+        keep_going, epoch, loss_scale = control.tolist()
+        start = StepStart(keep_going=bool(keep_going), epoch=int(epoch), loss_scale=loss_scale)
+        if start.keep_going and start.epoch != self.epoch:
+            self.epoch = start.epoch
+            events.emit(
+                "ranks_synced",
+                rank=self.ranks.rank,
+                world_size=self.ranks.world_size,
+                epoch=start.epoch,
+                checksum=parameters_checksum(self.model),
+            )
+        return start
+
+    def reduce_gradients(self, loss: float) -> float:
+        """Average every parameter's gradient (a missing one counts as zeros) and ``loss`` across ranks; returns the
+        mean loss. A rank's non-finite value makes the mean non-finite, so rank 0 drops the mini-batch for all."""
+        if not self.ranks.distributed:
+            return loss
+        params = list(self.model.parameters())
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        loss_tensor = torch.tensor([loss], dtype=torch.float32, device=self.device)
+        world_size = self.ranks.world_size
+
+        def mean(flat: torch.Tensor) -> None:
+            dist.all_reduce(flat)
+            flat.div_(world_size)
+
+        flat_collective_([*(param.grad for param in params), loss_tensor], mean)
+        return loss_tensor.item()
+
+
+def _broadcast_from_rank_0(flat: torch.Tensor) -> None:
+    dist.broadcast(flat, src=0)
