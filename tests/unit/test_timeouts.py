@@ -4,16 +4,20 @@ real hivemind objects; state-download backoff, and an abandoned download stopped
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing as mp
+import os
 import time
 
 import hivemind
 import pytest
-from hivemind.utils import MPFuture
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils import MPFuture, get_dht_time
 from transformers import AutoModelForMaskedLM
 
 from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
-from collab.averagers import until_done
+from collab.averagers import FiniteTrainingStateAverager, until_done
 from collab.optim import build_optimizer, build_state_averager
 from collab.timeouts import derive_timeouts, download_backoff, estimate_transfers
 from trainer.model import tiny_bert_config
@@ -141,6 +145,42 @@ def test_derived_timeouts_reach_hivemind_s_optimizer_and_averagers_and_flags_sti
         for averager in (optimizer, monitor):
             if averager is not None:
                 averager.shutdown()
+        dht.shutdown()
+
+
+VANISHED_DONORS = 3
+TRY_TIMEOUT = 5.0  # seconds per try
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_whose_donors_all_fail_stops_after_one_try_each_with_backoff_and_keeps_its_state():
+    """Three donors are advertised and none answers (peers gone since): one try each, 1, 2 and 4 s apart, then the
+    newcomer keeps its own state; hivemind's Optimizer retried such a load at once, forever."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    model = torch.nn.Linear(8, 4)
+    before = [param.detach().clone() for param in model.parameters()]
+    newcomer = FiniteTrainingStateAverager(
+        dht=dht,
+        prefix="vanished_state_averager",
+        optimizer=functools.partial(torch.optim.Adam, lr=1e-3),
+        params=model.parameters(),
+        allow_state_sharing=False,
+        start=True,
+    )
+    try:
+        for _ in range(VANISHED_DONORS):  # sha2-256 multihash peer IDs that no process holds
+            vanished = PeerID(b"\x12\x20" + os.urandom(32)).to_bytes()
+            dht.store("vanished_state_averager.all_averagers", 5.0, get_dht_time() + 300, subkey=vanished)
+        started = time.monotonic()
+        assert newcomer.load_state_from_peers(timeout=TRY_TIMEOUT) is None
+        elapsed = time.monotonic() - started
+        assert elapsed >= 1 + 2 + 4, "the tries were not spaced by the backoff"
+        assert elapsed < 1 + 2 + 4 + VANISHED_DONORS * 2 * TRY_TIMEOUT + 10
+        assert newcomer.local_epoch == 0
+        for param, old in zip(newcomer.main_parameters, before, strict=True):
+            assert torch.equal(param, old)
+    finally:
+        newcomer.shutdown()
         dht.shutdown()
 
 
