@@ -457,11 +457,8 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         return metadata, tensors
 
 
-class FiniteAveragingOptimizer(OptimizerEventsMixin, hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose parameter rounds run in a ``FiniteTrainingStateAverager``; pass
-    ``grad_averager_factory=FiniteGradientAverager`` for its gradient rounds."""
-
-    state_averager_class: type[TrainingStateAverager] = FiniteTrainingStateAverager
+class BoundedLoadOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` whose loads of the state from peers end (``load_state_from_peers``)."""
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's ``Optimizer.load_state_from_peers`` with one bounded load instead of its retry loop.
@@ -489,6 +486,14 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, hivemind.Optimizer):
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
+
+
+class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
+    """``hivemind.Optimizer`` whose parameter rounds run in a ``FiniteTrainingStateAverager`` and whose state loads
+    are bounded (``BoundedLoadOptimizer``); pass ``grad_averager_factory=FiniteGradientAverager`` for its gradient
+    rounds."""
+
+    state_averager_class: type[TrainingStateAverager] = FiniteTrainingStateAverager
 
     def _state_averager_options(self) -> dict:
         """Keyword arguments of ``state_averager_class`` beyond hivemind's (a subclass adds its own)."""
