@@ -18,6 +18,7 @@ from pathlib import Path
 from collab.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone")  # torchrun, one machine: a port of its own per run
 JOIN_LINE = re.compile(r"(--initial_peers (?:/\S+\s?)+)")  # for bench.wan; read the ``joined`` event instead
 
 
@@ -47,7 +48,8 @@ def events_path_for(log_path: Path) -> Path:
 class LocalProcess:
     """``python SCRIPT ARGV`` (or ``python -m MODULE ARGV``) in its own session, its output going to ``log_path``.
 
-    ``prefix`` runs it through another command, e.g. ``("ip", "netns", "exec", "ns1")``. With ``events_path`` the
+    ``prefix`` runs it through another command, e.g. ``("ip", "netns", "exec", "ns1")``, and ``launcher`` through a
+    Python module that starts the script, e.g. ``TORCHRUN + ("--nproc_per_node", "2")``. With ``events_path`` the
     program gets ``--events_path`` (a file left there earlier is deleted first, as the log is truncated) and
     ``events``/``wait_for_event`` read that file. With ``timeout`` the process
     has a deadline: ``running`` and ``wait()`` kill it once it is past.
@@ -63,6 +65,7 @@ class LocalProcess:
         module: str | None = None,
         events_path: Path | None = None,
         timeout: float | None = None,
+        launcher: Sequence[str] = (),
     ):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,7 @@ class LocalProcess:
             self.events_path.unlink(missing_ok=True)  # programs append: a file left by an earlier run is not theirs
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [*prefix, sys.executable, *program, *map(str, argv), *own_flags],
+            [*prefix, sys.executable, *launcher, *program, *map(str, argv), *own_flags],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -196,9 +199,11 @@ def PeerProcess(  # noqa: N802
     env: dict | None = None,
     prefix: Sequence[str] = (),
     script: str = "run_trainer.py",
+    launcher: Sequence[str] = (),
 ) -> LocalProcess:
-    """A ``run_trainer.py`` process (or ``script``, a wrapper that runs it) writing its events next to its log."""
-    return LocalProcess(argv, log_path, env, script, prefix, events_path=events_path_for(log_path))
+    """A ``run_trainer.py`` process (or ``script``, a wrapper that runs it) writing its events next to its log; with
+    ``launcher``, started by it (``TORCHRUN``: the launcher's own process, with the ranks as its children)."""
+    return LocalProcess(argv, log_path, env, script, prefix, events_path=events_path_for(log_path), launcher=launcher)
 
 
 def MonitorProcess(  # noqa: N802

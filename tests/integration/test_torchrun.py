@@ -1,0 +1,95 @@
+"""One peer on two ranks (``torchrun --nproc_per_node 2``, gloo on CPU) trains with a plain peer on 127.0.0.1.
+
+Timeline. The plain peer A starts; the torchrun peer T joins it. Once T's ranks have started SYNCED_EPOCHS global
+epochs together, T's rank 1 is killed with SIGKILL: T must exit non-zero within EXIT_BOUND seconds, and A must step
+on without it. The swarm must have seen two peers (A's rounds), T's epochs must count both ranks' samples and
+T's ranks must have started each epoch with the same parameters (their ``ranks_synced`` checksums).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from collab.events import read_events
+from trainer.local import TORCHRUN, LocalProcess, PeerProcess, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+BATCH = 8  # --per_device_train_batch_size: each rank's samples per mini-step
+SETTINGS = [
+    *("--target_batch_size", "128", "--matchmaking_time", "1", "--averaging_timeout", "15"),
+    *("--per_device_train_batch_size", str(BATCH)),
+]
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}  # three training processes on a 2-core machine
+SYNCED_EPOCHS = 3
+EXIT_BOUND = 60  # seconds from SIGKILL of a rank to the peer's exit: torchrun stops the others, gloo sees it gone
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The process torchrun started as ``rank`` (a child of ``launcher_pid`` with RANK=rank in its environment)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rpartition(")")[2].split()[1])
+            environment = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+        if parent == launcher_pid and f"RANK={rank}".encode() in environment:
+            return int(stat.parent.name)
+    return None
+
+
+def synced(peer: LocalProcess, rank: int) -> dict[int, str]:
+    """{global epoch: parameters checksum} from rank ``rank``'s ``ranks_synced`` events."""
+    path = peer.events_path if rank == 0 else peer.events_path.with_name(f"{peer.events_path.stem}.rank{rank}.jsonl")
+    return {record["epoch"]: record["checksum"] for record in read_events(path, "ranks_synced")}
+
+
+def epochs_of_both_ranks(peer: LocalProcess) -> set[int]:
+    return synced(peer, 0).keys() & synced(peer, 1).keys()
+
+
+def test_a_two_rank_torchrun_peer_trains_with_a_plain_peer(tmp_path, sample_data):
+    common = ["--experiment_prefix", f"torchrun{int(time.time())}", *SETTINGS]
+    a = PeerProcess([*common, "--output_dir", str(tmp_path / "A")], tmp_path / "A.log", env=SINGLE_THREAD)
+    peers = [a]
+    try:
+        t = PeerProcess(
+            [*common, *a.join_flags(120), "--output_dir", str(tmp_path / "T")],
+            tmp_path / "T.log",
+            env=SINGLE_THREAD,
+            launcher=(*TORCHRUN, "--nproc_per_node", "2"),
+        )
+        peers.append(t)
+        both_ranks = wait_until(
+            lambda: epochs_of_both_ranks(t) if len(epochs_of_both_ranks(t)) >= SYNCED_EPOCHS else None,
+            180,
+            f"T's two ranks to start {SYNCED_EPOCHS} epochs together",
+        )
+        rank_0, rank_1 = synced(t, 0), synced(t, 1)
+        t_epochs = t.events("epoch")
+        a_rounds = a.averaging_group_sizes()
+
+        victim = rank_pid(t.process.pid, 1)
+        assert victim is not None, "no process of T has RANK=1"
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        code = t.wait(timeout=EXIT_BOUND)
+        exit_seconds, exited_at = time.monotonic() - killed_at, time.time()
+        a.wait_for_event("epoch", 120, where=lambda record: record["time"] > exited_at)  # A steps on alone
+    finally:
+        for peer in peers:
+            peer.close()
+
+    # the swarm saw two peers: T's ranks are one member of A's groups, never two
+    assert a_rounds and set(a_rounds) == {2}, a_rounds
+    # every mini-step of T counts both ranks' samples
+    assert t_epochs and all(e["samples"] == e["mini_steps"] * 2 * BATCH for e in t_epochs), t_epochs
+    # rank 1 started every epoch from rank 0's parameters, and those moved
+    assert all(rank_0[epoch] == rank_1[epoch] for epoch in both_ranks), (rank_0, rank_1)
+    assert len({rank_0[epoch] for epoch in both_ranks}) >= 2, rank_0
+    assert code != 0 and exit_seconds < EXIT_BOUND, (code, exit_seconds)

@@ -1,0 +1,122 @@
+"""The ranks of a torchrun peer (trainer/ranks.py): the layout read from torchrun's environment, and the per-step
+exchange run for real by two processes over gloo on 127.0.0.1, as torchrun would start them."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from collab.errors import SetupError
+from collab.events import read_events
+from trainer.local import free_port
+from trainer.ranks import ALONE, Ranks, buckets, rank_events_path, ranks_from_env
+
+TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_plain_python_and_a_single_rank_are_one_process():
+    assert ranks_from_env({}) == ALONE
+    assert ranks_from_env({**TORCHRUN_ENV, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) == ALONE
+    assert ranks_from_env(TORCHRUN_ENV) == Ranks(rank=1, world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"WORLD_SIZE": "4"}, r"^torchrun: one machine is one peer, .* --nnodes 1 --nproc_per_node"),
+        ({"RANK": "2"}, r"^torchrun: RANK must be an integer from 0 to 1 \(got '2'\)"),
+        ({"WORLD_SIZE": "9" * 30}, r"^torchrun: WORLD_SIZE must be an integer from 1 to 1024 \(got '9{20}'\)"),
+        ({"LOCAL_WORLD_SIZE": "-2"}, r"^torchrun: LOCAL_WORLD_SIZE must be an integer"),
+        ({"LOCAL_RANK": "0"}, r"^torchrun: LOCAL_RANK must equal RANK"),
+    ],
+)
+def test_a_layout_that_is_not_one_machine_is_refused_in_one_line(change, message):
+    with pytest.raises(SetupError, match=message) as refused:
+        ranks_from_env({**TORCHRUN_ENV, **change})
+    assert "\n" not in str(refused.value)
+
+
+def test_each_rank_writes_its_events_next_to_rank_0s():
+    assert rank_events_path("out/peer.events.jsonl", 0) == "out/peer.events.jsonl"
+    assert rank_events_path("out/peer.events.jsonl", 3) == "out/peer.events.rank3.jsonl"
+    assert rank_events_path(None, 1) is None
+
+
+def test_buckets_keep_order_by_dtype_and_cap_their_size():
+    a, b, c = torch.zeros(3), torch.zeros(4), torch.zeros(2)
+    half, control = torch.zeros(5, dtype=torch.float16), torch.zeros(3, dtype=torch.float64)
+    assert [[t.numel() for t in run] for run in buckets([control, a, half, b, c], max_elements=7)] == [
+        [3],
+        [3, 4],
+        [2],
+        [5],
+    ]
+    assert [[t.numel() for t in run] for run in buckets([torch.zeros(10), a], max_elements=7)] == [[10], [3]]
+
+
+def exchange(rank: int, port: int, out: str) -> None:
+    """One rank of a two-rank peer (a spawned process): start a step, reduce gradients, stop; results to ``out``."""
+    from collab import events
+    from trainer.ranks import RankSync, StepStart, current, process_group
+
+    os.environ.update({**TORCHRUN_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    events.open_event_log(rank_events_path(f"{out}/peer.events.jsonl", rank))
+    torch.manual_seed(rank)  # different parameters on each rank before the first step
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    with process_group(ranks_from_env(os.environ), timeout=60):
+        sync = RankSync(model, torch.device("cpu"))
+        start = sync.start_step(StepStart(True, 7, 1024.0) if rank == 0 else None)
+        after_start = [param.detach().clone() for param in model.parameters()]
+        model[0].weight.grad = torch.full((2, 3), float(rank + 1))  # 1 on rank 0, 2 on rank 1
+        model[0].bias.grad = None if rank == 0 else torch.full((2,), 4.0)  # no gradient on rank 0: zeros
+        loss = sync.reduce_gradients(3.0 + rank)
+        stop = sync.start_step(StepStart(False, 8, 1024.0) if rank == 0 else None)
+        world_size = current().world_size
+    result = {
+        "start": [start.keep_going, start.epoch, start.loss_scale],
+        "stop": [stop.keep_going, stop.epoch],
+        "parameters": [param.tolist() for param in after_start],
+        "weight_grad": model[0].weight.grad.tolist(),
+        "bias_grad": model[0].bias.grad.tolist(),
+        "other_grad": model[1].weight.grad.tolist(),
+        "loss": loss,
+        "world_size": world_size,
+        "after": current().world_size,
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_start_each_step_from_rank_0s_parameters_and_average_their_gradients(tmp_path):
+    context = multiprocessing.get_context("spawn")  # as torchrun: fresh processes, nothing inherited
+    port = free_port()
+    ranks = [context.Process(target=exchange, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(150)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    rank_0, rank_1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+
+    assert rank_0["start"] == rank_1["start"] == [True, 7, 1024.0]  # rank 0's word reaches rank 1
+    assert rank_0["stop"] == rank_1["stop"] == [False, 8]
+    assert rank_0["parameters"] == rank_1["parameters"]  # rank 1 took rank 0's parameters
+    torch.manual_seed(0)
+    assert rank_0["parameters"][0] == torch.nn.Linear(3, 2).weight.tolist()  # ... not the other way round
+    for result in (rank_0, rank_1):
+        assert result["weight_grad"] == [[1.5] * 3] * 2  # the mean of 1 and 2
+        assert result["bias_grad"] == [2.0, 2.0]  # the mean of zeros and 4
+        assert result["other_grad"] == [[0.0, 0.0]]  # no rank had one: zeros
+        assert result["loss"] == 3.5
+        assert (result["world_size"], result["after"]) == (2, 1)  # ALONE again after the group
+
+    events_path = str(tmp_path / "peer.events.jsonl")
+    synced = [read_events(rank_events_path(events_path, rank), "ranks_synced") for rank in (0, 1)]
+    assert [[(e["rank"], e["epoch"]) for e in records] for records in synced] == [[(0, 7)], [(1, 7)]]  # not at stop
+    assert synced[0][0]["checksum"] == synced[1][0]["checksum"]
