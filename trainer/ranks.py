@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,12 +119,27 @@ def process_group(ranks: Ranks, timeout: float) -> Iterator[None]:
         device_id=device if device.type == "cuda" else None,
     )
     _joined = ranks
+    keep_children_out_of_group_signals()
     logger.info("Rank %d of %d on %s; rank 0 talks to the swarm", ranks.rank, ranks.world_size, device)
     try:
         yield
     finally:
         _joined = ALONE
         dist.destroy_process_group()
+
+
+def keep_children_out_of_group_signals() -> None:
+    """Every process this one forks from now on (hivemind's DHT and averagers, data loader workers) gets a process
+    group of its own.
+
+    torchrun stops a rank by signalling the rank's whole process group: hivemind's processes would die at once, and
+    rank 0 could neither finish its last round nor save. Out of the group, they stop when their rank stops them."""
+    os.register_at_fork(after_in_child=_own_process_group)
+
+
+def _own_process_group() -> None:
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
 
 
 def rank_events_path(events_path: str | None, rank: int) -> str | None:
