@@ -55,9 +55,12 @@ def rebase_(current: torch.Tensor, new_anchor: torch.Tensor, reference: torch.Te
     """Move ``current`` by ``new_anchor - reference`` and make ``new_anchor`` the reference.
 
     ``reference`` is what ``current`` was at the round's end, so the inner steps taken since stay on top of the new
-    anchor; applying the same anchor again changes nothing."""
-    current.add_((new_anchor - reference).to(current.device, current.dtype))
-    reference.copy_(new_anchor)
+    anchor; applying the same anchor again changes nothing. ``new_anchor`` is read once: a background parameter round
+    averages the anchors in place while the loop applies the outer step, and two reads would leave ``current`` off
+    by what changed in between, an offset every later round would send as a pseudo-gradient."""
+    snapshot = new_anchor.detach().clone()
+    current.add_((snapshot - reference).to(current.device, current.dtype))
+    reference.copy_(snapshot)
 
 
 def shared_inner_state(inner_state: dict) -> dict:

@@ -1,5 +1,7 @@
 """The low-communication mode's pure parts and one real peer alone in its swarm (collab/lowcomm.py)."""
 
+import threading
+
 import hivemind
 import pytest
 import torch
@@ -63,6 +65,32 @@ def test_rebase_keeps_the_inner_progress_made_since_the_rounds_end():
     assert reference.tolist() == [10.0, 20.0]
     rebase_(current, new_anchor=torch.tensor([10.0, 20.0]), reference=reference)  # applying it twice is a no-op
     assert current.tolist() == [9.75, 20.5]
+
+
+def test_rebase_keeps_the_progress_while_a_background_round_changes_the_anchor():
+    """A parameter round averages the anchor in place while the loop rebases on it: whatever the rebase reads, the
+    progress made since the round's end (current - reference) stays exactly what it was (values are whole numbers,
+    exact in float32), so no offset enters later pseudo-gradients."""
+    anchor = torch.zeros(1 << 18)
+    reference, current = torch.zeros_like(anchor), torch.full_like(anchor, 5.0)
+    stop = threading.Event()
+
+    def average_in_place():
+        while not stop.is_set():
+            anchor.add_(1.0)
+
+    background = threading.Thread(target=average_in_place)
+    background.start()
+    try:
+        for _ in range(300):
+            rebase_(current, anchor, reference)
+    finally:
+        stop.set()
+        background.join()
+    rebase_(current, anchor, reference)
+    assert anchor[0] > 0, "the background round never ran"
+    assert torch.equal(current - reference, torch.full_like(anchor, 5.0))
+    assert torch.equal(reference, anchor)
 
 
 def test_a_round_is_local_steps_global_batches_of_swarm_samples():
