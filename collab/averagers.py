@@ -121,16 +121,19 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
         unused = self.tensor_part_reducer
         unused.finished.set()  # never used: its finalizer would report that it received none of its parts
         self.tensor_part_reducer = FiniteTensorPartReducer(unused.part_shapes, unused.num_senders, own_index)
+        self.non_finite_kept_local = 0
+
+    def values_kept_local(self) -> int:
+        return super().values_kept_local() + self.non_finite_kept_local
 
     async def run(self):
-        kept_local = 0
         try:
             async for delta in super().run():
                 delta, replaced = keep_local_where_non_finite(delta)
-                kept_local += replaced
+                self.non_finite_kept_local += replaced
                 yield delta
         finally:
-            self._report_dropped(kept_local)
+            self._report_dropped(self.non_finite_kept_local)
 
     def _report_dropped(self, kept_local: int) -> None:
         refused = [str(self.sender_peer_ids[index]) for index in sorted(self.tensor_part_reducer.refused_senders)]

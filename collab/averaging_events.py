@@ -51,7 +51,12 @@ class _CountingStub:
 
 class TrafficCountingMixin:
     """Counts an ``AllReduceRunner``'s traffic and emits ``averaged`` (kind, group_size, bytes_sent, bytes_received,
-    seconds) when its round completes; put it before ``AllReduceRunner``. The class sets ``round_kind``."""
+    seconds, values_kept_local, senders_dropped) when its round completes; put it before ``AllReduceRunner``. The
+    class sets ``round_kind``.
+
+    A round "completes" also when groupmates failed in it: hivemind keeps this peer's own values for the parts a
+    failed reducer held and averages a part without a sender that came too late. Only a round with both counts 0 at
+    every peer left the group holding the same values."""
 
     round_kind: str
 
@@ -61,6 +66,10 @@ class TrafficCountingMixin:
 
     def _add_sent(self, size: int) -> None:
         self.traffic.sent += size
+
+    def values_kept_local(self) -> int:
+        """Values this round left as this peer had them: the parts whose reducer failed."""
+        return self.tensor_part_container.failed_size
 
     def _add_received(self, size: int) -> None:
         self.traffic.received += size
@@ -87,6 +96,8 @@ class TrafficCountingMixin:
             bytes_sent=self.traffic.sent,
             bytes_received=self.traffic.received,
             seconds=round(time.monotonic() - started, 3),
+            values_kept_local=self.values_kept_local(),
+            senders_dropped=len(self.banned_senders),
         )
 
 

@@ -10,6 +10,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P
 
+from collab import events
 from collab.averagers import (
     FiniteAllReduceRunner,
     FiniteGradientAverager,
@@ -88,15 +89,36 @@ async def run_group(local_tensors: list[list[torch.Tensor]], weights: list[float
         await asyncio.gather(*(p2p.shutdown() for p2p in p2ps))
 
 
-def test_honest_peers_drop_a_liars_non_finite_values_in_both_directions(caplog):
+def test_a_round_where_every_groupmate_delivers_reports_nothing_kept_local(tmp_path):
+    torch.manual_seed(0)
+    tensors = [[torch.randn(size) for size in TENSOR_SIZES] for _ in range(3)]
+    events.open_event_log(tmp_path / "events.jsonl")
+    try:
+        results = asyncio.run(run_group(tensors, [1.0, 1.0, 1.0]))
+    finally:
+        events.open_event_log(None)
+    mean = [sum(column) / 3 for column in zip(*tensors, strict=True)]
+    for result in results:
+        for value, expected in zip(result, mean, strict=True):
+            torch.testing.assert_close(value, expected)
+    records = events.read_events(tmp_path / "events.jsonl", "averaged")
+    assert [(r["group_size"], r["values_kept_local"], r["senders_dropped"]) for r in records] == [(3, 0, 0)] * 3
+
+
+def test_honest_peers_drop_a_liars_non_finite_values_in_both_directions(caplog, tmp_path):
     """The liar (peer 2) holds inf in every tensor: its parts sent to the honest reducers are refused, and the
-    averages it sends back for the part it reduces (inf) leave the honest peers' own values there."""
+    averages it sends back for the part it reduces (inf) leave the honest peers' own values there. Each honest
+    peer's ``averaged`` event says so: one sender dropped, and as many values kept local as it holds its own."""
     torch.manual_seed(0)
     honest = [[torch.randn(size) for size in TENSOR_SIZES] for _ in range(2)]
     liar = [torch.full((size,), float("inf")) for size in TENSOR_SIZES]
     weights = [3.0, 1.0, 1.0]
-    with caplog.at_level(logging.WARNING, logger="collab.averagers"):
-        results = asyncio.run(run_group([*honest, liar], weights))
+    events.open_event_log(tmp_path / "events.jsonl")
+    try:
+        with caplog.at_level(logging.WARNING, logger="collab.averagers"):
+            results = asyncio.run(run_group([*honest, liar], weights))
+    finally:
+        events.open_event_log(None)
 
     first, second = results[0], results[1]
     honest_mean = [(3 * a + 1 * b) / 4 for a, b in zip(*honest, strict=True)]
@@ -109,6 +131,10 @@ def test_honest_peers_drop_a_liars_non_finite_values_in_both_directions(caplog):
         assert torch.allclose(first[index][averaged], second[index][averaged], atol=1e-5)
     averaged_count = sum(int(torch.isclose(r, m, atol=1e-5).sum()) for r, m in zip(first, honest_mean, strict=True))
     assert averaged_count >= sum(TENSOR_SIZES) // 2  # two of three reducers are honest
+    kept_own = sum(int((~torch.isclose(r, m, atol=1e-5)).sum()) for r, m in zip(first, honest_mean, strict=True))
+    records = events.read_events(tmp_path / "events.jsonl", "averaged")
+    honest_reports = sorted((r["senders_dropped"], r["values_kept_local"]) for r in records if r["senders_dropped"])
+    assert honest_reports == [(1, kept_own), (1, kept_own)]
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert sum(message.startswith("Gradient round: dropped") for message in warnings) >= 2  # once per honest peer
 
