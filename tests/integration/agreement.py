@@ -36,18 +36,22 @@ def assert_finite(parameters: dict, peer: str) -> None:
 
 
 def evened_out(peer: LocalProcess, group_size: int, after_epoch: int, after_time: float = 0.0) -> bool:
-    """Whether ``peer`` took part in a parameter round of ``group_size`` or more peers that ended after it began epoch
-    ``after_epoch`` and after ``after_time`` (Unix time), and has begun two epochs since, so the round's parameters are
-    in place even when hivemind applies them one step late. Peers stopped once all have evened out agree; a round that
-    left one out (it came late, under load) does not count, so the tests wait for a full one instead of hoping."""
+    """Whether ``peer``'s latest parameter round had ``group_size`` or more peers, left nothing out (no values kept
+    local, no sender dropped: docs/EVENTS.md), ended after it began epoch ``after_epoch`` and after ``after_time``
+    (Unix time), and was followed by two epochs, so its parameters are in place even when hivemind applies them one
+    step late. When every peer's latest round is such a round, it was the same one for all, and peers that learn no
+    more (learning rate 0) then hold the same parameters. A round that left a late peer out does not count: the tests
+    wait for a full one instead of hoping the last round was."""
     epoch_times = [(record["epoch"], record["time"]) for record in peer.events("epoch")]
     started = [at for epoch, at in epoch_times if epoch >= after_epoch]
-    if not started:
+    rounds = [record for record in peer.events("averaged") if record["kind"] == "parameters"]
+    if not started or not rounds:
         return False
-    since = max(started[0], after_time)
-    rounds = [
-        record["time"]
-        for record in peer.events("averaged")
-        if record["kind"] == "parameters" and record["group_size"] >= group_size and record["time"] > since
-    ]
-    return bool(rounds) and sum(at > rounds[0] for _, at in epoch_times) >= 2
+    latest = rounds[-1]
+    return (
+        latest["group_size"] >= group_size
+        and latest["values_kept_local"] == 0
+        and latest["senders_dropped"] == 0
+        and latest["time"] > max(started[0], after_time)
+        and sum(at > latest["time"] for _, at in epoch_times) >= 2
+    )

@@ -115,7 +115,8 @@ def test_peers_stop_cleanly_and_their_loss_falls(swarm):
     for name in "ABD":
         assert MAX_STEPS < max(epochs_of(swarm.peers[name])) < STEP_CAP, name
         assert not swarm.peers[name].tracebacks_from_our_code(), name
-    losses = [record["loss"] for record in swarm.peers["A"].events("epoch")]
+    # the schedule ends at MAX_STEPS; the epochs after it only wait for a full parameter round
+    losses = [record["loss"] for record in swarm.peers["A"].events("epoch") if record["epoch"] <= MAX_STEPS]
     assert losses[-1] < losses[0] - 0.5, f"A's loss did not fall: {losses}"
 
 
