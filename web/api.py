@@ -28,6 +28,7 @@ from collab.access import issue_token, load_authority_key, new_authority_key, to
 from collab.errors import ConfigError
 from collab.schema import MAX_CONTRIBUTED_SAMPLES, PublicName
 from collab.schema import MAX_STEP as MAX_CONTRIBUTED_EPOCHS
+from monitor.aggregate import MAX_CONTRIBUTORS_REPORTED
 from web.auth import ANY_MEMBER, MONITOR_ONLY, check_experiment_access, is_admin, require_admin
 from web.forms import served_config, validated_config
 from web.logsafe import printable
@@ -40,7 +41,6 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 ASCII_INT = re.compile(r"-?[0-9]{1,19}")
 MAX_STEP = 10**12
 MAX_METRICS_PAGE = 1000
-MAX_CONTRIBUTORS = 100  # the monitor reports its top 100 (monitor.aggregate.MAX_CONTRIBUTORS_REPORTED)
 
 
 def ascii_int(value: Any) -> Any:
@@ -113,7 +113,7 @@ class MetricsIn(BaseModel):
     eval_accuracy: float | None = Field(default=None, ge=0, le=100)
     eval_exact_match: float | None = Field(default=None, ge=0, le=100)
     eval_f1: float | None = Field(default=None, ge=0, le=100)
-    contributors: list[ContributorIn] | None = Field(default=None, max_length=MAX_CONTRIBUTORS)
+    contributors: list[ContributorIn] | None = Field(default=None, max_length=MAX_CONTRIBUTORS_REPORTED)
 
 
 def store_of(request: Request) -> Store:
