@@ -20,7 +20,6 @@ from collab.timeouts import SHUTDOWN_DEADLINE_FLOOR
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_DEADLINE = SHUTDOWN_DEADLINE_FLOOR  # seconds from the first signal to a forced exit, until a program sets it
 EXIT_NOT_SAVED = 3  # a forced exit before the final state was saved (2 is bad input, 1 an error)
 WATCHDOG_POLL = 0.2  # seconds between two looks of the watchdog at the deadline, which may change meanwhile
 
@@ -30,7 +29,7 @@ class Shutdown:
 
     The ``shutdown`` event is written once: by the program as it leaves (``leave``) or by the forced exit."""
 
-    def __init__(self, deadline: float = SHUTDOWN_DEADLINE):
+    def __init__(self, deadline: float = SHUTDOWN_DEADLINE_FLOOR):  # until the program knows its state's size
         self.deadline = deadline
         self._lock = threading.Lock()
         self._unsaved_fields: dict | None = None  # the shutdown event's fields while a final save is due
