@@ -157,8 +157,9 @@ def local_batch_size(training_args: TrainingArguments) -> int:
     return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
 
 
-# Values per model parameter in the largest averaging round and in the state a newcomer downloads (both fp16 on the
-# wire). Synchronous: a round averages gradients or parameters; the state is the parameters and Lamb's two moments.
+# Values per model parameter in the largest averaging round and in the state a newcomer downloads, both fp16 on the
+# wire: parameter rounds and downloads always travel in fp16, and no gradient round is larger (8-bit: about 1 byte a
+# value). Synchronous: a round averages gradients or parameters; the state is the parameters and Lamb's two moments.
 # Low-communication: a parameter round also averages the outer momentum; the state adds it to the anchors and the
 # inner Lamb's moments.
 ROUND_VALUES_PER_PARAMETER = {"sync": 1, "lowcomm": 2}
