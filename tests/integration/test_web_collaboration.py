@@ -32,6 +32,7 @@ ADMIN = "integration-admin-token"
 LIFETIME = 40  # seconds: processes refresh at half of it, so every 20 s here
 OUTAGE = 18  # seconds the web app is frozen: under LIFETIME / 2, so no token held at its start expires during it
 STEPS = 10
+A_NAME = 'peer <A> "one"'  # A's --public_name: the dashboard shows it escaped
 
 
 class Outage:
@@ -107,7 +108,10 @@ def guarded(tmp_path_factory, sample_data):
         try:
             join = monitor.join_flags(timeout=120)
             for name in "AB":
-                peers[name] = PeerProcess([*from_web, *join, "--output_dir", str(out / name)], out / f"{name}.log")
+                named = ["--public_name", A_NAME] if name == "A" else []
+                peers[name] = PeerProcess(
+                    [*from_web, *join, *named, "--output_dir", str(out / name)], out / f"{name}.log"
+                )
             validators, _ = make_validators(prefix)
             member = start_dht(
                 PeerArguments(
@@ -183,6 +187,14 @@ def test_the_monitors_metrics_arrive_on_the_dashboard_api(guarded):
     assert max(row["alive_peers"] for row in rows) == 2
     losses = [row["loss"] for row in rows if row["loss"] is not None]
     assert losses[-1] < losses[0]
+
+
+def test_the_dashboard_lists_both_peers_and_the_name_a_chose(guarded):
+    contributors = requests.get(f"{guarded['api']}/contributors", timeout=10).json()["contributors"]
+    assert sorted(c["name"] or "" for c in contributors) == ["", A_NAME]
+    assert all(c["rounds"] >= 1 and c["samples"] >= c["rounds"] for c in contributors)
+    page = requests.get(guarded["api"].replace("/api/", "/"), timeout=10).text  # the experiment's page
+    assert "<td>peer &lt;A&gt; &#34;one&#34;</td>" in page and A_NAME not in page
 
 
 def test_a_checkpoint_the_monitor_uploaded_downloads_intact(guarded):
