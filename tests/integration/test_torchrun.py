@@ -1,9 +1,11 @@
 """One peer on two ranks (``torchrun --nproc_per_node 2``, gloo on CPU) trains with a plain peer on 127.0.0.1.
 
 Timeline. The plain peer A starts; the torchrun peer T joins it. Once T's ranks have started SYNCED_EPOCHS global
-epochs together, T's rank 1 is killed with SIGKILL: T must exit non-zero within EXIT_BOUND seconds, and A must step
-on without it. The swarm must have seen two peers (A's rounds), T's epochs must count both ranks' samples and
-T's ranks must have started each epoch with the same parameters (their ``ranks_synced`` checksums).
+epochs together, T gets SIGTERM: rank 0 must save the model and T exit within SHUTDOWN_BOUND seconds. A second
+torchrun peer U then joins (it downloads the state) and, once its ranks have started SYNCED_EPOCHS epochs, U's rank 1
+is killed with SIGKILL: U must exit non-zero within EXIT_BOUND seconds, and A must step on without it.
+Throughout, the swarm must have seen two peers (A's rounds), T's epochs must count both ranks' samples, and each
+peer's ranks must have started every epoch with the same parameters (their ``ranks_synced`` checksums).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ SETTINGS = [
 ]
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}  # three training processes on a 2-core machine
 SYNCED_EPOCHS = 3
+SHUTDOWN_BOUND = 60  # seconds from SIGTERM to torchrun's exit: rank 0's clean shutdown (deadline 25 s), then the rest
 EXIT_BOUND = 60  # seconds from SIGKILL of a rank to the peer's exit: torchrun stops the others, gloo sees it gone
+TWO_RANKS = (*TORCHRUN, "--nproc_per_node", "2")
 
 
 def rank_pid(launcher_pid: int, rank: int) -> int | None:
@@ -53,43 +57,64 @@ def epochs_of_both_ranks(peer: LocalProcess) -> set[int]:
     return synced(peer, 0).keys() & synced(peer, 1).keys()
 
 
-def test_a_two_rank_torchrun_peer_trains_with_a_plain_peer(tmp_path, sample_data):
+def trained_together(peer: LocalProcess) -> set[int]:
+    """The epochs both ranks of ``peer`` started with the same parameters, once they are SYNCED_EPOCHS."""
+    return wait_until(
+        lambda: epochs_of_both_ranks(peer) if len(epochs_of_both_ranks(peer)) >= SYNCED_EPOCHS else None,
+        180,
+        f"{peer.log_path.stem}'s two ranks to start {SYNCED_EPOCHS} epochs together",
+    )
+
+
+def assert_ranks_agree(peer: LocalProcess, epochs: set[int]) -> None:
+    """Rank 1 started each of ``epochs`` from rank 0's parameters, and those moved."""
+    rank_0, rank_1 = synced(peer, 0), synced(peer, 1)
+    assert all(rank_0[epoch] == rank_1[epoch] for epoch in epochs), (rank_0, rank_1)
+    assert len({rank_0[epoch] for epoch in epochs}) >= 2, rank_0
+
+
+def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_rank_dies(tmp_path, sample_data):
     common = ["--experiment_prefix", f"torchrun{int(time.time())}", *SETTINGS]
     a = PeerProcess([*common, "--output_dir", str(tmp_path / "A")], tmp_path / "A.log", env=SINGLE_THREAD)
     peers = [a]
     try:
-        t = PeerProcess(
-            [*common, *a.join_flags(120), "--output_dir", str(tmp_path / "T")],
-            tmp_path / "T.log",
-            env=SINGLE_THREAD,
-            launcher=(*TORCHRUN, "--nproc_per_node", "2"),
-        )
-        peers.append(t)
-        both_ranks = wait_until(
-            lambda: epochs_of_both_ranks(t) if len(epochs_of_both_ranks(t)) >= SYNCED_EPOCHS else None,
-            180,
-            f"T's two ranks to start {SYNCED_EPOCHS} epochs together",
-        )
-        rank_0, rank_1 = synced(t, 0), synced(t, 1)
-        t_epochs = t.events("epoch")
-        a_rounds = a.averaging_group_sizes()
+        join = a.join_flags(120)
 
-        victim = rank_pid(t.process.pid, 1)
-        assert victim is not None, "no process of T has RANK=1"
+        def torchrun_peer(name: str) -> LocalProcess:
+            argv = [*common, *join, "--output_dir", str(tmp_path / name)]
+            peers.append(PeerProcess(argv, tmp_path / f"{name}.log", SINGLE_THREAD, launcher=TWO_RANKS))
+            return peers[-1]
+
+        t = torchrun_peer("T")
+        t_epochs_synced = trained_together(t)
+        t.process.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+        t.wait(timeout=SHUTDOWN_BOUND)
+
+        u = torchrun_peer("U")
+        u_epochs_synced = trained_together(u)
+        a_rounds = a.averaging_group_sizes()
+        victim = rank_pid(u.process.pid, 1)
+        assert victim is not None, "no process of U has RANK=1"
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        code = t.wait(timeout=EXIT_BOUND)
+        code = u.wait(timeout=EXIT_BOUND)
         exit_seconds, exited_at = time.monotonic() - killed_at, time.time()
         a.wait_for_event("epoch", 120, where=lambda record: record["time"] > exited_at)  # A steps on alone
     finally:
         for peer in peers:
             peer.close()
 
-    # the swarm saw two peers: T's ranks are one member of A's groups, never two
+    # the swarm saw two peers at a time: a torchrun peer's ranks are one member of A's groups, never two
     assert a_rounds and set(a_rounds) == {2}, a_rounds
     # every mini-step of T counts both ranks' samples
+    t_epochs = t.events("epoch")
     assert t_epochs and all(e["samples"] == e["mini_steps"] * 2 * BATCH for e in t_epochs), t_epochs
-    # rank 1 started every epoch from rank 0's parameters, and those moved
-    assert all(rank_0[epoch] == rank_1[epoch] for epoch in both_ranks), (rank_0, rank_1)
-    assert len({rank_0[epoch] for epoch in both_ranks}) >= 2, rank_0
+    assert_ranks_agree(t, t_epochs_synced)
+    # SIGTERM: rank 0 saved the model it trained
+    (shutdown,) = t.events("shutdown")
+    assert shutdown["saved"] and shutdown["epoch"] >= t_epochs[-1]["epoch"], shutdown
+    assert (tmp_path / "T" / "model.safetensors").exists()
+    # U started from the swarm's state, on both ranks
+    assert u.events("state_loaded") and min(u_epochs_synced) > 0, u_epochs_synced
+    assert_ranks_agree(u, u_epochs_synced)
     assert code != 0 and exit_seconds < EXIT_BOUND, (code, exit_seconds)
