@@ -502,7 +502,7 @@ class TrainingArguments:
         metadata={
             "help": "Mixed precision in bfloat16 (autocast, no loss scaling: fp32's range) instead of fp16, with "
             "--fp16 false: on GPUs of compute capability 8.0+ (A100, RTX 30xx and newer; refused on older ones) and "
-            "on CPUs, where it runs but beats fp32 only on CPUs with bfloat16 instructions (AVX-512 BF16, AMX)"
+            "on CPUs, where it is faster than fp32 on those with bfloat16 instructions (AVX-512 BF16, AMX)"
         },
     )
     ddp_timeout: float = field(
