@@ -635,10 +635,12 @@ MONITOR_ARGUMENTS: tuple[type, ...] = (
 )
 # Settings that are credentials: never shown in the web form nor stored in an experiment's config.
 SECRET_SETTINGS = frozenset({"web_token"})
-# Paths on the machine that runs the program: where it writes files (or, for resume_from, what it loads). They come
-# from its own command line or a local JSON file, never from a config URL: a web app must not pick files on a
-# volunteer's disk (output_dir is replaced whole when the model is saved).
-LOCAL_SETTINGS = frozenset({"identity_path", "events_path", "output_dir", "metrics_path", "repo_path", "resume_from"})
+# Each machine's own settings: its paths (where it writes, what it loads) and the name its volunteer chooses. They
+# come from its own command line or a local JSON file, never from a config URL: a web app must not pick files on a
+# volunteer's disk (output_dir is replaced whole when the model is saved), nor give every peer one name.
+LOCAL_SETTINGS = frozenset(
+    {"identity_path", "events_path", "output_dir", "metrics_path", "repo_path", "resume_from", "public_name"}
+)
 # One experiment config (a JSON file or the web app's) holds the settings of both programs; each takes its own.
 EXPERIMENT_ARGUMENTS: tuple[type, ...] = tuple(dict.fromkeys(TRAINER_ARGUMENTS + MONITOR_ARGUMENTS))
 
@@ -765,7 +767,7 @@ def without_local_settings(config: Any, source: str, given: set[str]) -> Any:
     for key in sorted(LOCAL_SETTINGS & config.keys() - given):
         if config[key] is not None and config[key] != defaults.get(key):
             raise ConfigError(
-                f"--{key}: a path on this machine is never taken from a config URL ({source}); "
+                f"--{key}: a setting of this machine is never taken from a config URL ({source}); "
                 "pass it on the command line",
                 key,
             )

@@ -152,7 +152,7 @@ def validated_config(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     for key in sorted(LOCAL_SETTINGS & config.keys()):
         raise ConfigError(
-            f"--{key}: a path on the peers' own machines is never stored in an experiment config; "
+            f"--{key}: a setting of each peer's own machine is never stored in an experiment config; "
             "each peer passes it on its command line",
             key,
         )

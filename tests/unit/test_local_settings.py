@@ -10,6 +10,7 @@ from tests.http_server import QuietHandler, serving
 CONFIGS = {
     "/hostile": {"target_batch_size": 64, "output_dir": "/home"},
     "/events": {"target_batch_size": 64, "events_path": "/root/.bashrc"},
+    "/named": {"target_batch_size": 64, "public_name": "everyone"},
     # what older web apps stored: every key, the local ones at their defaults
     "/old": {"target_batch_size": 64, "output_dir": TrainingArguments.output_dir, "identity_path": None},
 }
@@ -29,13 +30,15 @@ def training_arguments(argv: list[str]) -> TrainingArguments:
     return next(a for a in parse_args(TRAINER_ARGUMENTS, argv) if isinstance(a, TrainingArguments))
 
 
-@pytest.mark.parametrize("path, flag", [("/hostile", "output_dir"), ("/events", "events_path")])
-def test_a_config_url_cannot_choose_a_path_on_this_machine(path, flag, capsys):
+@pytest.mark.parametrize(
+    "path, flag", [("/hostile", "output_dir"), ("/events", "events_path"), ("/named", "public_name")]
+)
+def test_a_config_url_cannot_choose_a_path_or_the_name_of_this_peer(path, flag, capsys):
     with serving(ConfigHandler) as url, pytest.raises(SystemExit) as exit_info:
         parse_args_or_exit(TRAINER_ARGUMENTS, ["--config", url + path], prog="run_trainer.py")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
-        f"run_trainer.py: error: --{flag}: a path on this machine is never taken from a config URL ({url}{path}); "
+        f"run_trainer.py: error: --{flag}: a setting of this machine is never taken from a config URL ({url}{path}); "
         "pass it on the command line\n"
     )
 

@@ -47,7 +47,7 @@ def test_labels_help_defaults_and_widgets_come_from_the_dataclasses():
     assert (FIELDS["learning_rate"].kind, FIELDS["learning_rate"].optional) == ("float", False)
     assert (FIELDS["use_ipfs"].kind, FIELDS["use_ipfs"].default) == ("bool", False)
     assert (FIELDS["authorization_url"].kind, FIELDS["authorization_url"].optional) == ("text", True)
-    assert not LOCAL_SETTINGS & FIELDS.keys()  # paths on the peers' machines are theirs to choose
+    assert not LOCAL_SETTINGS & FIELDS.keys()  # paths and names are each peer's to choose
     assert (FIELDS["upload_interval"].kind, FIELDS["upload_interval"].optional) == ("float", True)
 
 
