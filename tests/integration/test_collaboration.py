@@ -297,11 +297,12 @@ def test_events_tell_what_each_peer_did(collaboration):
     epochs = [record["epoch"] for record in a.events("epoch")]
     assert epochs == sorted(set(epochs)) and epochs[-1] >= MAX_STEPS
     rounds = a.events("averaged")
-    assert any(record["group_size"] > 1 for record in rounds)
     assert {record["kind"] for record in rounds} == {"gradients", "parameters"}
-    assert all(
-        r["bytes_sent"] > 0 and r["bytes_received"] > 0 and r["seconds"] >= 0 for r in rounds if r["group_size"] > 1
-    )
+    # a round whose groupmate left mid-way (SIGTERM at the end) may have received nothing; it says so
+    complete = [r for r in rounds if r["group_size"] > 1 and r["values_kept_local"] == r["senders_dropped"] == 0]
+    assert complete and all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 and r["seconds"] >= 0 for r in complete)
+    cut_short = [r for r in rounds if r["group_size"] > 1 and r not in complete]
+    assert all(r["bytes_received"] > 0 or r["values_kept_local"] + r["senders_dropped"] > 0 for r in cut_short)
     assert [r["rollbacks"] for r in a.events("rollback")] == [1]
     loaded = collaboration.peers["C"].events("state_loaded")
     assert loaded and loaded[0]["epoch"] >= 2 and loaded[0]["bytes"] > 0
