@@ -298,11 +298,6 @@ class OptimizerArguments:
                 "delay_grad_averaging", "needs --delay_optimizer_step; turn it on or pass --delay_grad_averaging false"
             )
 
-    def chunk_timeout(self) -> float:
-        """``next_chunk_timeout``, or ``matchmaking_time`` when unset: hivemind's default, and the floor of the value
-        derived from the model and the link (``collab.timeouts``)."""
-        return self.next_chunk_timeout if self.next_chunk_timeout is not None else self.matchmaking_time
-
 
 @dataclass
 class AveragerArguments:

@@ -70,7 +70,7 @@ def read_resume_point(path: str, model_class: type) -> ResumePoint:
 class CollaborativeCallback:
     """Publishes this peer's LocalMetrics once per new global epoch and guards the parameters.
 
-    - ``on_train_begin``: download the collaboration's state (hivemind retries with ``load_state_timeout`` each try).
+    - ``on_train_begin``: download the collaboration's state (bounded tries, a different donor each: averagers.py).
     - ``on_step_end``: sum losses; when the global epoch changes, publish LocalMetrics (only while in sync, so a
       lagging peer does not report stale loss); every ``backup_every_steps`` epochs keep an in-memory backup.
     - non-finite parameters are replaced by the last backup, so a bad step never spreads to the next round.

@@ -31,11 +31,6 @@ def test_defaults_are_valid_and_listen_on_loopback():
     assert args["data"].model_name_or_path is None  # the tiny built-in model, no download
 
 
-def test_next_chunk_timeout_follows_matchmaking_time_unless_set():
-    assert parse("--matchmaking_time", "4")["optimizer"].chunk_timeout() == 4
-    assert parse("--matchmaking_time", "4", "--next_chunk_timeout", "9")["optimizer"].chunk_timeout() == 9
-
-
 def test_flags_override_json_config(tmp_path):
     config = tmp_path / "run.json"
     config.write_text(
