@@ -490,14 +490,16 @@ class TrainingArguments:
     seed: int = field(default=42, metadata={"help": "Seed for model initialisation; data order is also keyed by peer"})
     fp16: bool = field(
         default=True,
-        metadata={"help": "Mixed precision (fp16 autocast, loss scaling) on CUDA; CPUs train in fp32. Off for --bf16"},
+        metadata={
+            "help": "Mixed precision (fp16 autocast, loss scaling) on CUDA; CPUs train in fp32. --bf16 takes its place"
+        },
     )
     bf16: bool = field(
         default=False,
         metadata={
-            "help": "Mixed precision in bfloat16 (autocast, no loss scaling: fp32's range) instead of fp16, with "
-            "--fp16 false: on GPUs of compute capability 8.0+ (A100, RTX 30xx and newer; refused on older ones) and "
-            "on CPUs, where it is faster than fp32 on those with bfloat16 instructions (AVX-512 BF16, AMX)"
+            "help": "Mixed precision in bfloat16 (autocast, no loss scaling: fp32's range) in place of --fp16: on "
+            "GPUs of compute capability 8.0+ (A100, RTX 30xx and newer; refused on older ones) and on CPUs, where it "
+            "is faster than fp32 on those with bfloat16 instructions (AVX-512 BF16, AMX)"
         },
     )
     ddp_timeout: float = field(
@@ -518,8 +520,6 @@ class TrainingArguments:
         _require_positive(self, "adam_epsilon", "clamp_value", "max_grad_norm", "total_steps")
         _require_non_negative(self, "weight_decay", "warmup_steps", "max_steps", "dataloader_num_workers")
         _require_positive(self, "ddp_timeout")
-        if self.fp16 and self.bf16:
-            _fail("bf16", "choose one mixed precision: pass --fp16 false with --bf16 (--fp16 is on by default)")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 _fail(name, f"must be in [0, 1) (got {getattr(self, name)})")

@@ -149,11 +149,9 @@ def scheduler_factory(training_args: TrainingArguments) -> Callable:
 
 
 def local_batch_size(training_args: TrainingArguments) -> int:
-    """Samples this peer adds per ``optimizer.step()``: per-device batch x accumulation.
-
-    A peer trains on one device (the first GPU, else the CPU), so other GPUs on the machine add nothing: run one peer
-    per GPU (``CUDA_VISIBLE_DEVICES``). Counting them, as the HF Trainer's data parallelism would, made a peer on a
-    multi-GPU machine claim samples it never computed."""
+    """Samples one process adds per ``optimizer.step()``: per-device batch x accumulation. A torchrun peer's rank 0
+    steps with ``world_size`` times this (trainer/loop.py), since every rank computed its own; a plain peer uses one
+    device, so other GPUs of its machine add nothing unless it runs under torchrun."""
     return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
 
 

@@ -130,13 +130,14 @@ def flush_denormals() -> bool:
 def autocast_dtype(training_args: TrainingArguments, device: torch.device) -> torch.dtype | None:
     """The dtype the forward pass autocasts to on ``device``, None for fp32.
 
-    ``--bf16``: bfloat16 on GPUs that have it (compute capability 8.0 and newer) and on CPUs, without loss scaling
-    (bfloat16 has fp32's range); ``--fp16``: float16 with loss scaling on GPUs, while CPUs train in fp32."""
+    ``--bf16`` (which takes the place of ``--fp16``, on by default): bfloat16 on GPUs that have it (compute capability
+    8.0 and newer) and on CPUs, without loss scaling (bfloat16 has fp32's range); ``--fp16``: float16 with loss
+    scaling on GPUs, while CPUs train in fp32."""
     if training_args.bf16:
         if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
             raise ConfigError(
                 f"--bf16: GPU {device} has no bfloat16 arithmetic (it needs compute capability 8.0+: A100, RTX 30xx "
-                "or newer): pass --bf16 false --fp16 true"
+                "or newer): leave --bf16 out to train in fp16"
             )
         return torch.bfloat16
     if training_args.fp16 and device.type == "cuda":

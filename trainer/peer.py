@@ -78,7 +78,7 @@ def _train_and_save(
     flush_denormals()
     device = training_device()
     amp_dtype = autocast_dtype(training_args, device)
-    if training_args.fp16 and amp_dtype is None:
+    if training_args.fp16 and not training_args.bf16 and amp_dtype is None:
         logger.info("fp16 needs CUDA: training in fp32 on %s", device.type)
     task = TASKS[dataset_args.task]
     tokenizer = load_tokenizer(dataset_args)

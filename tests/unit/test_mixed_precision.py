@@ -66,14 +66,11 @@ def test_bf16_is_refused_on_a_gpu_without_bfloat16():
     assert refused.value.field == "bf16" and "\n" not in str(refused.value)
 
 
-def test_fp16_and_bf16_together_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^--bf16: choose one mixed precision: pass --fp16 false") as refused:
-        parse_args(TRAINER_ARGUMENTS, ["--bf16"])  # --fp16 is on by default
-    assert refused.value.field == "bf16"
-    with pytest.raises(ConfigError, match=r"^--bf16: choose one"):
-        TrainingArguments(fp16=True, bf16=True)
-    training_args = parse_args(TRAINER_ARGUMENTS, ["--bf16", "--fp16", "false"])[-1]
-    assert (training_args.bf16, training_args.fp16) == (True, False)
+def test_bf16_takes_the_place_of_fp16_which_is_on_by_default():
+    training_args = parse_args(TRAINER_ARGUMENTS, ["--bf16"])[-1]
+    assert (training_args.bf16, training_args.fp16) == (True, True)
+    assert autocast_dtype(training_args, torch.device("cpu")) == torch.bfloat16
+    assert autocast_dtype(parse_args(TRAINER_ARGUMENTS, [])[-1], torch.device("cpu")) is None  # fp16 needs CUDA
 
 
 Weights = dict[str, torch.Tensor]
