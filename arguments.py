@@ -99,6 +99,20 @@ class PeerArguments:
             "collaboration must not be a client"
         },
     )
+    use_relay: bool = field(
+        default=True,
+        metadata={
+            "help": "Accept and dial connections through libp2p circuit relays, and relay for others (hivemind's "
+            "default); false: direct connections only"
+        },
+    )
+    use_auto_relay: bool = field(
+        default=False,
+        metadata={
+            "help": "For a peer behind NAT or a firewall: reserve a slot on a relay (the --initial_peers) and "
+            "announce the relayed address, so others reach this peer through it; needs --use_relay"
+        },
+    )
     bootstrap_timeout: float = field(
         default=15.0,
         metadata={"help": "Seconds to wait for the initial peers to answer before giving up with an error"},
@@ -134,6 +148,12 @@ class PeerArguments:
         if not self.host_maddrs:
             _fail("host_maddrs", "give at least one address to listen on, e.g. /ip4/127.0.0.1/tcp/0")
         _require_positive(self, "bootstrap_timeout")
+        if self.use_auto_relay and not self.use_relay:
+            _fail("use_auto_relay", "needs --use_relay (a relayed peer is reached through a circuit relay)")
+        if self.use_auto_relay and self.client_mode:
+            _fail("use_auto_relay", "a --client_mode peer accepts no connections, relayed or not: drop one of them")
+        if self.use_auto_relay and not (self.initial_peers or self.use_ipfs):
+            _fail("use_auto_relay", "give --initial_peers: they are the relays this peer reserves a slot on")
         if self.authorization_url is not None and not self.authorization_url.startswith(("http://", "https://")):
             _fail("authorization_url", f"must be an http(s):// URL (got {self.authorization_url!r})")
 
