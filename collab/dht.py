@@ -1,11 +1,14 @@
-"""Start this process's DHT node from PeerArguments, tell the operator how others can join it, and keep it
-joined: after a network cut, the node reconnects to the peers it lost."""
+"""Start this process's DHT node from PeerArguments, tell the operator in one line whether and how others can reach
+it, and keep it joined: after a network cut, the node reconnects to the peers it lost."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import ipaddress
 import logging
+import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import hivemind
@@ -17,7 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from arguments import PeerArguments
 from collab.access import WebAppAuthorizer
 from collab.errors import DHTStartError
-from collab.hivemind_fixes import FixedDHT
+from collab.hivemind_fixes import FixedDHT, progress_key
 
 logger = logging.getLogger(__name__)
 
@@ -27,21 +30,119 @@ def join_command_line(maddrs: Sequence[str]) -> str:
     return "--initial_peers " + " ".join(maddrs)
 
 
+RELAY_WAIT = 15.0  # seconds a --use_auto_relay peer waits for a relay slot before reporting how it is reached
+PREFIX_CHECK_TIMEOUT = 5.0  # seconds to look for the experiment's records under --experiment_prefix
+# Best first: how another peer can reach this one, by the kind of its visible addresses.
+REACHED_VIA = ("public", "relay", "private", "loopback")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reachability:
+    """Whether other peers can open connections to this one, and through what kind of address.
+
+    ``via``: "public" (an internet address), "relay" (a /p2p-circuit address through a relay peer), "private" (a
+    LAN or NAT address: this network only), "loopback" (this machine only), "client_mode" or "none" (unreachable).
+    """
+
+    reachable: bool
+    via: str
+    addresses: tuple[str, ...] = ()
+
+
+def address_kind(maddr: str) -> str:
+    """Who can dial ``maddr`` (a multiaddr string): "relay", "loopback", "private" or "public"."""
+    if "/p2p-circuit" in maddr:
+        return "relay"
+    parts = maddr.split("/")
+    protocol, host = (parts[1], parts[2]) if len(parts) > 2 else ("", "")
+    if protocol in ("dns", "dns4", "dns6", "dnsaddr"):
+        return "public"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return "private"  # not an address anyone is known to reach
+    if ip.is_loopback:
+        return "loopback"
+    return "public" if ip.is_global else "private"
+
+
+def reachability(maddrs: Sequence[str], client_mode: bool) -> Reachability:
+    """How others reach a node with these visible addresses: through its best kind of address (REACHED_VIA order)."""
+    if client_mode:
+        return Reachability(False, "client_mode")
+    kinds = {address_kind(maddr) for maddr in maddrs}
+    for via in REACHED_VIA:
+        if via in kinds:
+            return Reachability(True, via, tuple(maddrs))
+    return Reachability(False, "none")
+
+
+_HOW_REACHED = {
+    "public": "reachable at a public address",
+    "relay": "reachable through a relay (inbound connections to this peer are relayed)",
+    "private": "reachable on this private network only (behind NAT: --use_auto_relay or --announce_maddrs)",
+    "loopback": "reachable from this machine only (listen on /ip4/0.0.0.0/tcp/PORT for other machines)",
+    "client_mode": "not reachable: client mode (this peer only dials out; others cannot connect to it)",
+    "none": "not reachable: no visible address (check --host_maddrs)",
+}
+
+
+def reachability_line(reach: Reachability, use_relay: bool, prefix: str, peers_found: int | None) -> str:
+    """The one start-up line: reachable or not and through what, relays, then what was found under the prefix.
+
+    ``peers_found``: peers with progress records under ``prefix``, -1 if the lookup found none in time, None if
+    not looked up (a first peer).
+    """
+    line = _HOW_REACHED[reach.via].capitalize()
+    line += "; relays " + ("on" if use_relay else "off (--use_relay false)")
+    if peers_found is not None and peers_found < 0:
+        line += (
+            f"; no records under --experiment_prefix {prefix} within {PREFIX_CHECK_TIMEOUT:g} s "
+            "(a wrong prefix, or no trainer has joined yet)"
+        )
+    elif peers_found is not None:
+        line += f"; {peers_found} peer(s) training under --experiment_prefix {prefix}"
+    if reach.reachable:
+        line += "; start other peers with " + join_command_line(reach.addresses)
+    return line
+
+
+def visible_addresses(dht: hivemind.DHT) -> list[str]:
+    """This node's visible multiaddrs as strings; empty if it has none (hivemind raises ValueError then)."""
+    try:
+        return [str(maddr) for maddr in dht.get_visible_maddrs(latest=True)]
+    except ValueError:
+        return []
+
+
+def joined_fields(dht: hivemind.DHT, client_mode: bool) -> dict:
+    """The fields of the ``joined`` event (docs/EVENTS.md): addresses, client mode, reachable and through what."""
+    addresses = visible_addresses(dht)
+    reach = reachability(addresses, client_mode)
+    return {"address": addresses, "client_mode": client_mode, "reachable": reach.reachable, "reached_via": reach.via}
+
+
 def start_dht(
     peer_args: PeerArguments,
     record_validators: Sequence[RecordValidatorBase] = (),
     client_mode: bool | None = None,
 ) -> hivemind.DHT:
-    """Start a DHT node (in its own process) and log the line other peers use to join.
+    """Start a DHT node (in its own process) and log in one line whether other peers can reach it, and how.
 
     ``client_mode`` overrides ``peer_args.client_mode`` (the monitor is never a client). With
     ``--authorization_url`` the node first gets an access token from the web app (AccessError if refused).
+    DHTStartError when no initial peer answers.
     """
     client_mode = peer_args.client_mode if client_mode is None else client_mode
     authorizer = None
     if peer_args.authorization_url:
         authorizer = WebAppAuthorizer(peer_args.authorization_url, peer_args.web_token)
         authorizer.fetch_first_token()
+    relay_kwargs = {"use_relay": peer_args.use_relay, "use_auto_relay": peer_args.use_auto_relay}
+    if peer_args.use_auto_relay:
+        # libp2p reserves relay slots only once it believes the peer is private; AutoNAT needs several peers
+        # and minutes to decide that, so a peer that asks for a relay says so itself
+        relay_kwargs["force_reachability"] = "private"
     try:
         dht = FixedDHT(
             start=True,
@@ -54,23 +155,46 @@ def start_dht(
             identity_path=peer_args.identity_path,
             wait_timeout=peer_args.bootstrap_timeout,
             authorizer=authorizer,
+            **relay_kwargs,
         )
     except Exception as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if peer_args.initial_peers and "bootstrap" in message.lower():
+            refused = " or they refused this peer's access token" if authorizer is not None else ""
             raise DHTStartError(
                 f"--initial_peers: none of {', '.join(peer_args.initial_peers)} answered ({message}); "
-                "check that the first peer is running and reachable from this machine"
+                f"check that the first peer is running and reachable from this machine{refused}"
             ) from None
         raise DHTStartError(f"--host_maddrs/--identity_path: the DHT did not start ({message})") from None
 
     keep_rejoining(dht, peer_args.initial_peers)
-    if client_mode:
-        logger.info("Joined the collaboration in client mode (no incoming connections)")
-    else:
-        maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-        logger.info("To join this collaboration, start other peers with %s", join_command_line(maddrs))
+    addresses = visible_addresses(dht)
+    if peer_args.use_auto_relay and not client_mode:
+        addresses = wait_for_relay_address(dht, addresses)
+    peers_found = count_peers_under_prefix(dht, peer_args.experiment_prefix) if peer_args.initial_peers else None
+    reach = reachability(addresses, client_mode)
+    logger.info(reachability_line(reach, peer_args.use_relay, peer_args.experiment_prefix, peers_found))
     return dht
+
+
+def wait_for_relay_address(dht: hivemind.DHT, addresses: list[str], timeout: float = RELAY_WAIT) -> list[str]:
+    """This node's visible addresses once one goes through a relay, or as they are after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not any(address_kind(maddr) == "relay" for maddr in addresses) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        addresses = visible_addresses(dht)
+    return addresses
+
+
+def count_peers_under_prefix(dht: hivemind.DHT, prefix: str, timeout: float = PREFIX_CHECK_TIMEOUT) -> int:
+    """Peers with a progress record under ``prefix`` (hivemind's ProgressTracker key); -1 when none was found
+    within ``timeout`` seconds."""
+    try:
+        found = dht.get(progress_key(prefix), latest=True, return_future=True).result(timeout=timeout)
+    except Exception:
+        return -1
+    records = getattr(found, "value", None)
+    return len(records) if isinstance(records, dict) and records else -1
 
 
 REJOIN_PERIOD = 10.0  # seconds between two rounds of pings to known peers missing from the routing table

@@ -1,0 +1,90 @@
+"""collab.dht's start-up report: whether other peers can reach this one and through what, and what it found under
+the experiment's prefix. tests/integration/test_relay.py runs it behind a namespace that drops inbound connections.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from arguments import PeerArguments
+from collab.dht import (
+    Reachability,
+    address_kind,
+    count_peers_under_prefix,
+    joined_fields,
+    reachability,
+    reachability_line,
+    start_dht,
+)
+from collab.errors import ConfigError
+from collab.hivemind_fixes import progress_key
+from tests.local_dht import two_dhts
+
+PEER = "/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+@pytest.mark.parametrize(
+    ("maddr", "kind"),
+    [
+        ("/ip4/127.0.0.1/tcp/5" + PEER, "loopback"),
+        ("/ip6/::1/tcp/5" + PEER, "loopback"),
+        ("/ip4/10.1.2.3/tcp/5" + PEER, "private"),
+        ("/ip4/192.168.0.7/tcp/5" + PEER, "private"),
+        ("/ip4/100.64.0.1/tcp/5" + PEER, "private"),  # carrier-grade NAT
+        ("/ip4/8.8.8.8/tcp/5" + PEER, "public"),
+        ("/dns4/example.org/tcp/5" + PEER, "public"),
+        ("/ip4/8.8.8.8/tcp/5" + PEER + "/p2p-circuit" + PEER, "relay"),
+        ("/ip4/not-an-ip/tcp/5", "private"),
+    ],
+)
+def test_address_kind(maddr, kind):
+    assert address_kind(maddr) == kind
+
+
+def test_the_best_kind_of_address_says_how_a_peer_is_reached():
+    local, lan = "/ip4/127.0.0.1/tcp/5" + PEER, "/ip4/10.0.0.2/tcp/5" + PEER
+    relayed = "/ip4/10.0.0.1/tcp/6" + PEER + "/p2p-circuit" + PEER
+    assert reachability([local, lan], client_mode=False) == Reachability(True, "private", (local, lan))
+    assert reachability([local, relayed, lan], client_mode=False).via == "relay"
+    assert reachability([local], client_mode=False).via == "loopback"
+    assert reachability([local, lan], client_mode=True) == Reachability(False, "client_mode")
+    assert reachability([], client_mode=False) == Reachability(False, "none")
+
+
+def test_the_line_names_the_join_flag_only_when_reachable():
+    lan = "/ip4/10.0.0.2/tcp/5" + PEER
+    line = reachability_line(Reachability(True, "private", (lan,)), True, "demo", 3)
+    assert line.endswith("--initial_peers " + lan) and "3 peer(s)" in line
+    line = reachability_line(Reachability(False, "client_mode"), False, "demo", -1)
+    assert "--initial_peers" not in line and "--experiment_prefix demo" in line and "off" in line
+
+
+def test_relay_flags_are_checked():
+    with pytest.raises(ConfigError, match="use_auto_relay"):
+        PeerArguments(use_auto_relay=True)  # no relay to reserve a slot on
+    with pytest.raises(ConfigError, match="use_auto_relay"):
+        PeerArguments(use_auto_relay=True, use_relay=False, initial_peers=["/ip4/10.0.0.1/tcp/5" + PEER])
+    with pytest.raises(ConfigError, match="use_auto_relay"):
+        PeerArguments(use_auto_relay=True, client_mode=True, initial_peers=["/ip4/10.0.0.1/tcp/5" + PEER])
+    assert PeerArguments().use_relay  # hivemind's own default: every peer accepts relayed connections
+
+
+def test_peers_under_the_prefix_are_counted_on_a_real_dht():
+    with two_dhts() as (first, second):
+        assert count_peers_under_prefix(second, "reachtest", timeout=10) == -1
+        for name in (b"a", b"b"):
+            first.store(progress_key("reachtest"), {"epoch": 0}, get_dht_time() + 60, subkey=name)
+        assert count_peers_under_prefix(second, "reachtest", timeout=10) == 2
+        assert count_peers_under_prefix(second, "otherprefix", timeout=10) == -1
+
+
+def test_a_started_node_reports_its_loopback_address_in_the_joined_fields():
+    dht = start_dht(PeerArguments(experiment_prefix="reachtest"))
+    try:
+        fields = joined_fields(dht, client_mode=False)
+        assert fields["reachable"] is True and fields["reached_via"] == "loopback"
+        assert fields["address"] and all(a.startswith("/ip4/127.0.0.1/tcp/") for a in fields["address"])
+        assert joined_fields(dht, client_mode=True)["reachable"] is False
+    finally:
+        dht.shutdown()
