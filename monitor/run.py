@@ -24,7 +24,7 @@ from arguments import (
     to_config,
 )
 from collab import events
-from collab.dht import start_dht
+from collab.dht import joined_fields, start_dht
 from collab.extras import require_extra
 from collab.optim import build_state_averager, collaboration_timeouts
 from collab.schema import make_validators, peer_fingerprint, read_metrics
@@ -169,7 +169,7 @@ def run_monitor(
     if monitor_args.wandb_project is not None:
         require_extra("wandb", "--wandb_project")  # before the DHT starts: a missing extra is one line, nothing else
     dht = start_dht(peer_args, validators, client_mode=False)
-    events.emit("joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=False)
+    events.emit("joined", **joined_fields(dht, False))
     config = to_config(peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args)
     for secret in SECRET_SETTINGS:
         config.pop(secret, None)

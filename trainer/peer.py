@@ -16,7 +16,7 @@ from arguments import (
 )
 from collab import events, signals
 from collab.callback import CollaborativeCallback, read_resume_point
-from collab.dht import start_dht
+from collab.dht import joined_fields, start_dht
 from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates
 from collab.schema import make_validators
 from collab.storage import atomic_directory
@@ -100,9 +100,7 @@ def _train_and_save(
         resume = read_resume_point(collaboration_args.resume_from, type(model))
     validators, public_key = make_validators(peer_args.experiment_prefix)
     dht = start_dht(peer_args, validators)
-    events.emit(
-        "joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=peer_args.client_mode
-    )
+    events.emit("joined", **joined_fields(dht, peer_args.client_mode))
     optimizer = None
     try:
         timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
