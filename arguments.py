@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
 from transformers import HfArgumentParser
 
@@ -631,23 +631,39 @@ class MonitorArguments:
             _fail("upload_to", f"write a Hub repository as hf://owner/repo (got {self.upload_to!r})")
 
 
-TRAINER_ARGUMENTS: tuple[type, ...] = (
-    PeerArguments,
-    OptimizerArguments,
-    AveragerArguments,
-    ProgressTrackerArguments,
-    CollaborationArguments,
-    DatasetArguments,
-    TrainingArguments,
-)
-MONITOR_ARGUMENTS: tuple[type, ...] = (
-    PeerArguments,
-    OptimizerArguments,
-    AveragerArguments,
-    DatasetArguments,
-    TrainingArguments,
-    MonitorArguments,
-)
+@dataclass
+class PeerConfig:
+    """Everything ``run_trainer.py`` takes, one group per concern; functions take this root or the group they need."""
+
+    peer: PeerArguments
+    optimizer: OptimizerArguments
+    averager: AveragerArguments
+    tracker: ProgressTrackerArguments
+    collaboration: CollaborationArguments
+    dataset: DatasetArguments
+    training: TrainingArguments
+
+
+@dataclass
+class MonitorConfig:
+    """Everything ``run_training_monitor.py`` takes, one group per concern."""
+
+    peer: PeerArguments
+    optimizer: OptimizerArguments
+    averager: AveragerArguments
+    dataset: DatasetArguments
+    training: TrainingArguments
+    monitor: MonitorArguments
+
+
+def argument_groups(config_type: type) -> tuple[type, ...]:
+    """The argument dataclasses of a root config (``PeerConfig``) in the order of its fields: what the parser fills."""
+    hints = get_type_hints(config_type)
+    return tuple(hints[f.name] for f in dataclasses.fields(config_type))
+
+
+TRAINER_ARGUMENTS: tuple[type, ...] = argument_groups(PeerConfig)
+MONITOR_ARGUMENTS: tuple[type, ...] = argument_groups(MonitorConfig)
 # Settings that are credentials: never shown in the web form nor stored in an experiment's config.
 SECRET_SETTINGS = frozenset({"web_token"})
 # Each machine's own settings: its paths (where it writes, what it loads) and the name its volunteer chooses. They

@@ -12,13 +12,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from arguments import TRAINER_ARGUMENTS
+from arguments import PeerConfig
 from collab.entry import run_program
 from trainer.follower import run_rank
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_program("run_trainer.py", TRAINER_ARGUMENTS, run_rank, argv)
+    return run_program("run_trainer.py", PeerConfig, run_rank, argv)
 
 
 if __name__ == "__main__":

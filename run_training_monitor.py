@@ -11,13 +11,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from arguments import MONITOR_ARGUMENTS
+from arguments import MonitorConfig
 from collab.entry import run_program
 from monitor.run import run_monitor
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_program("run_training_monitor.py", MONITOR_ARGUMENTS, run_monitor, argv)
+    return run_program("run_training_monitor.py", MonitorConfig, run_monitor, argv)
 
 
 if __name__ == "__main__":

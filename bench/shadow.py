@@ -78,31 +78,34 @@ class ShadowModel(torch.nn.Module):
             param.grad = torch.randn(param.shape, generator=generator) * 1e-3
 
 
-def run_shadow(peer_args, optimizer_args, averager_args, tracker_args, training_args, shadow_args, stop) -> None:
+def run_shadow(config, stop) -> None:
+    """One shadow peer from its root config (``main``'s ``ShadowConfig``) until ``stop``."""
     from collab import events
     from collab.dht import start_dht
     from collab.optim import build_optimizer, finish_delayed_updates
     from collab.schema import make_validators
 
-    events.open_event_log(peer_args.events_path)
-    training_args.per_device_train_batch_size = MICRO_BATCH
-    training_args.gradient_accumulation_steps = 1
-    model = ShadowModel(shadow_args.layers)
-    logger.info("Shadow model: %.1fM parameters", shadow_numel(shadow_args.layers) / 1e6)
-    validators, _ = make_validators(peer_args.experiment_prefix)
-    dht = start_dht(peer_args, validators)
+    events.open_event_log(config.peer.events_path)
+    config.training.per_device_train_batch_size = MICRO_BATCH
+    config.training.gradient_accumulation_steps = 1
+    model = ShadowModel(config.shadow.layers)
+    logger.info("Shadow model: %.1fM parameters", shadow_numel(config.shadow.layers) / 1e6)
+    validators, _ = make_validators(config.peer.experiment_prefix)
+    dht = start_dht(config.peer, validators)
     events.emit(
-        "joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=peer_args.client_mode
+        "joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=config.peer.client_mode
     )
     optimizer = None
     try:
-        optimizer = build_optimizer(model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args)
-        if shadow_args.ready_file:
-            Path(shadow_args.ready_file).touch()
-        if shadow_args.start_file:
-            wait_until(lambda: stop.is_set() or Path(shadow_args.start_file).exists(), START_TIMEOUT, "the start file")
+        groups = (config.peer, config.optimizer, config.averager, config.tracker, config.training)
+        optimizer = build_optimizer(model, dht, *groups)
+        if config.shadow.ready_file:
+            Path(config.shadow.ready_file).touch()
+        if config.shadow.start_file:
+            started = Path(config.shadow.start_file)
+            wait_until(lambda: stop.is_set() or started.exists(), START_TIMEOUT, "the start file")
         while not stop.is_set():
-            time.sleep(shadow_args.micro_batch_s)  # the GPU's forward and backward
+            time.sleep(config.shadow.micro_batch_s)  # the GPU's forward and backward
             optimizer.step(batch_size=MICRO_BATCH)
     finally:
         if optimizer is not None:
@@ -127,12 +130,19 @@ def main(argv=None) -> int:
         print("bench.shadow: error: the first argument is the steps file (STEPS.jsonl)", file=sys.stderr)
         return 2
 
-    def run(*arguments, stop) -> None:  # the steps file is opened only once every flag has passed its checks
+    def run(config, stop) -> None:  # the steps file is opened only once every flag has passed its checks
         instrument(argv[0])
-        run_shadow(*arguments, stop=stop)
+        run_shadow(config, stop=stop)
 
-    groups = (PeerArguments, OptimizerArguments, AveragerArguments, ProgressTrackerArguments, TrainingArguments)
-    return run_program("bench.shadow", (*groups, ShadowArguments), run, argv[1:])
+    groups = {
+        "peer": PeerArguments,
+        "optimizer": OptimizerArguments,
+        "averager": AveragerArguments,
+        "tracker": ProgressTrackerArguments,
+        "training": TrainingArguments,
+        "shadow": ShadowArguments,
+    }
+    return run_program("bench.shadow", dataclasses.make_dataclass("ShadowConfig", groups.items()), run, argv[1:])
 
 
 if __name__ == "__main__":

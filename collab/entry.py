@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from hivemind.utils.logging import use_hivemind_log_handler
 
-from arguments import PeerArguments, parse_args_or_exit, split_config_flags
+from arguments import PeerArguments, argument_groups, parse_args_or_exit, split_config_flags
 from collab.errors import UserError
 from collab.hivemind_fixes import apply_entry_point_patches
 from collab.signals import install_stop_handlers
@@ -57,24 +57,23 @@ def escape_log_messages() -> None:
             handler.setFormatter(ControlEscapingFormatter(handler.formatter or logging.Formatter()))
 
 
-def run_program(
-    prog: str, dataclass_types: Sequence[type], run: Callable[..., object], argv: Sequence[str] | None = None
-) -> int:
-    """Parse ``argv`` into ``dataclass_types``, call ``run(*arguments, stop=event)``; 0 on success, 2 on bad input."""
+def run_program(prog: str, config_type: type, run: Callable[..., object], argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` into the root config ``config_type`` (a dataclass of argument groups: ``PeerConfig``), call
+    ``run(config, stop=event)``; 0 on success, 2 on bad input."""
     apply_entry_point_patches()
     use_hivemind_log_handler("in_root_logger")
     logging.getLogger().setLevel(logging.INFO)
     escape_log_messages()
     argv = list(sys.argv[1:] if argv is None else argv)
-    arguments = parse_args_or_exit(dataclass_types, argv, prog=prog)
+    config = config_type(*parse_args_or_exit(argument_groups(config_type), argv, prog=prog))
     _, config_token, _ = split_config_flags(argv)
-    for args in arguments:
+    for args in vars(config).values():
         if isinstance(args, PeerArguments) and args.web_token is None:
             args.web_token = config_token  # one credential for the config, the join endpoint and the reports
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
-        run(*arguments, stop=stop)
+        run(config, stop=stop)
     except UserError as e:
         print(f"{prog}: error: {escape_control_characters(str(e))}", file=sys.stderr)
         return 2

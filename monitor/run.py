@@ -13,16 +13,7 @@ from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
 
-from arguments import (
-    SECRET_SETTINGS,
-    AveragerArguments,
-    DatasetArguments,
-    MonitorArguments,
-    OptimizerArguments,
-    PeerArguments,
-    TrainingArguments,
-    to_config,
-)
+from arguments import SECRET_SETTINGS, MonitorArguments, MonitorConfig, to_config
 from collab import events
 from collab.dht import joined_fields, start_dht
 from collab.extras import require_extra
@@ -123,85 +114,78 @@ def refresh(
         state.pending_evaluation.clear()
 
 
-def build_checkpointing(dht, peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args):
+def build_checkpointing(dht, config: MonitorConfig):
     """The state averager (the trainers' own optimizer factory) and the saver around it, evaluating as asked."""
     from monitor.evaluate import CheckpointEvaluator
     from trainer.model import build_model, load_tokenizer
     from trainer.tasks import TASKS
 
-    tokenizer = load_tokenizer(dataset_args)
-    model, _ = build_model(dataset_args, tokenizer, training_args.seed)
+    tokenizer = load_tokenizer(config.dataset)
+    model, _ = build_model(config.dataset, tokenizer, config.training.seed)
     evaluator = None
-    if monitor_args.eval_every_checkpoints > 0:
-        task = TASKS[dataset_args.task]
-        every, limit = monitor_args.eval_every_checkpoints, monitor_args.eval_max_examples
-        evaluator = CheckpointEvaluator(task, dataset_args, tokenizer, every, limit)
-    timeouts = collaboration_timeouts(model, optimizer_args, averager_args)  # the trainers' own, from the same model
-    averager = build_state_averager(model, dht, peer_args, optimizer_args, averager_args, training_args, timeouts)
+    if config.monitor.eval_every_checkpoints > 0:
+        task = TASKS[config.dataset.task]
+        every, limit = config.monitor.eval_every_checkpoints, config.monitor.eval_max_examples
+        evaluator = CheckpointEvaluator(task, config.dataset, tokenizer, every, limit)
+    # the trainers' own timeouts, from the same model
+    timeouts = collaboration_timeouts(model, config.optimizer, config.averager)
+    averager = build_state_averager(
+        model, dht, config.peer, config.optimizer, config.averager, config.training, timeouts
+    )
     saver = CheckpointSaver(
         averager,
         model,
         tokenizer,
-        monitor_args.repo_path,
-        monitor_args.save_checkpoint_step_interval,
-        monitor_args.keep_checkpoints,
+        config.monitor.repo_path,
+        config.monitor.save_checkpoint_step_interval,
+        config.monitor.keep_checkpoints,
         timeouts.load_state_timeout,
-        retry_period=monitor_args.refresh_period,
+        retry_period=config.monitor.refresh_period,
         evaluator=evaluator,
-        epoch_tolerance=default_epoch_tolerance(monitor_args.alive_step_lag, timeouts.load_state_timeout),
+        epoch_tolerance=default_epoch_tolerance(config.monitor.alive_step_lag, timeouts.load_state_timeout),
     )
     return averager, saver
 
 
-def run_monitor(
-    peer_args: PeerArguments,
-    optimizer_args: OptimizerArguments,
-    averager_args: AveragerArguments,
-    dataset_args: DatasetArguments,
-    training_args: TrainingArguments,
-    monitor_args: MonitorArguments,
-    stop: threading.Event,
-) -> MonitorState:
-    """Run until ``stop`` is set. ``peer_args.web_token`` authenticates web reports and http uploads."""
-    events.open_event_log(peer_args.events_path)
-    token = peer_args.web_token
-    validators, _ = make_validators(peer_args.experiment_prefix)
-    if monitor_args.wandb_project is not None:
+def run_monitor(config: MonitorConfig, stop: threading.Event) -> MonitorState:
+    """Run until ``stop`` is set. ``config.peer.web_token`` authenticates web reports and http uploads."""
+    events.open_event_log(config.peer.events_path)
+    token = config.peer.web_token
+    validators, _ = make_validators(config.peer.experiment_prefix)
+    if config.monitor.wandb_project is not None:
         require_extra("wandb", "--wandb_project")  # before the DHT starts: a missing extra is one line, nothing else
-    dht = start_dht(peer_args, validators, client_mode=False)
+    dht = start_dht(config.peer, validators, client_mode=False)
     events.emit("joined", **joined_fields(dht, False))
-    config = to_config(peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args)
+    experiment_config = to_config(*vars(config).values())
     for secret in SECRET_SETTINGS:
-        config.pop(secret, None)
-    sinks = build_sinks(monitor_args, peer_args.experiment_prefix, token, config)
+        experiment_config.pop(secret, None)
+    sinks = build_sinks(config.monitor, config.peer.experiment_prefix, token, experiment_config)
     averager = saver = uploader = None
     state = MonitorState(
-        last_step=last_step_in(monitor_args.metrics_path),
+        last_step=last_step_in(config.monitor.metrics_path),
         step_tolerance=default_epoch_tolerance(
-            monitor_args.alive_step_lag, optimizer_args.load_state_timeout or LOAD_STATE_TIMEOUT_FLOOR
+            config.monitor.alive_step_lag, config.optimizer.load_state_timeout or LOAD_STATE_TIMEOUT_FLOOR
         ),
     )
-    if state.last_step is not None and not peer_args.initial_peers:
+    if state.last_step is not None and not config.peer.initial_peers:
         logger.warning(
             "Restarted without --initial_peers: the peers forgot this node when it went down. If the collaboration "
             "is still running, restart with --initial_peers of any live peer (every trainer logs its own address)"
         )
     try:
-        if monitor_args.store_checkpoints:
-            averager, saver = build_checkpointing(
-                dht, peer_args, optimizer_args, averager_args, dataset_args, training_args, monitor_args
-            )
+        if config.monitor.store_checkpoints:
+            averager, saver = build_checkpointing(dht, config)
             state.step_tolerance = saver.epoch_tolerance  # with the load timeout derived from the model
-        if monitor_args.upload_interval is not None:
-            target = make_target(monitor_args.upload_to, token, monitor_args.keep_checkpoints)
-            uploader = Uploader(monitor_args.repo_path, target, monitor_args.upload_interval).start()
-        logger.info("Monitoring %s every %.0f s", peer_args.experiment_prefix, monitor_args.refresh_period)
+        if config.monitor.upload_interval is not None:
+            target = make_target(config.monitor.upload_to, token, config.monitor.keep_checkpoints)
+            uploader = Uploader(config.monitor.repo_path, target, config.monitor.upload_interval).start()
+        logger.info("Monitoring %s every %.0f s", config.peer.experiment_prefix, config.monitor.refresh_period)
         while not stop.is_set():
             try:
-                refresh(dht, peer_args.experiment_prefix, state, sinks, saver, monitor_args.alive_step_lag)
+                refresh(dht, config.peer.experiment_prefix, state, sinks, saver, config.monitor.alive_step_lag)
             except Exception:
-                logger.exception("Refresh failed; trying again in %.0f s", monitor_args.refresh_period)
-            stop.wait(monitor_args.refresh_period)
+                logger.exception("Refresh failed; trying again in %.0f s", config.monitor.refresh_period)
+            stop.wait(config.monitor.refresh_period)
     finally:
         for closeable in filter(None, (uploader, *sinks)):
             closeable.close()

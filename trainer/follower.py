@@ -10,15 +10,7 @@ import logging
 import os
 import threading
 
-from arguments import (
-    AveragerArguments,
-    CollaborationArguments,
-    DatasetArguments,
-    OptimizerArguments,
-    PeerArguments,
-    ProgressTrackerArguments,
-    TrainingArguments,
-)
+from arguments import PeerConfig
 from collab import events
 from trainer import ranks
 from trainer.data import batch_stream, peer_data_seed
@@ -30,58 +22,39 @@ from trainer.tasks import TASKS
 logger = logging.getLogger(__name__)
 
 
-def run_rank(
-    peer_args: PeerArguments,
-    optimizer_args: OptimizerArguments,
-    averager_args: AveragerArguments,
-    tracker_args: ProgressTrackerArguments,
-    collaboration_args: CollaborationArguments,
-    dataset_args: DatasetArguments,
-    training_args: TrainingArguments,
-    stop: threading.Event,
-) -> None:
+def run_rank(config: PeerConfig, stop: threading.Event) -> None:
     """``run_peer`` in a plain process and on rank 0 of a torchrun peer, ``run_follower`` on the other ranks."""
     layout = ranks.ranks_from_env(os.environ)
-    arguments = (peer_args, optimizer_args, averager_args, tracker_args, collaboration_args, dataset_args)
-    with ranks.process_group(layout, training_args.ddp_timeout):
+    with ranks.process_group(layout, config.training.ddp_timeout):
         program = run_peer if layout.rank == 0 else run_follower
-        program(*arguments, training_args, stop=stop)
+        program(config, stop=stop)
 
 
-def run_follower(
-    peer_args: PeerArguments,
-    optimizer_args: OptimizerArguments,
-    averager_args: AveragerArguments,
-    tracker_args: ProgressTrackerArguments,
-    collaboration_args: CollaborationArguments,
-    dataset_args: DatasetArguments,
-    training_args: TrainingArguments,
-    stop: threading.Event,
-) -> None:
+def run_follower(config: PeerConfig, stop: threading.Event) -> None:
     """A rank other than 0: train until rank 0 stops. Its events go to its own file (``ranks.rank_events_path``).
 
     ``stop`` is left to rank 0, which finishes the step, saves and then stops every rank: torchrun signals all."""
     rank = ranks.current().rank
-    events.open_event_log(ranks.rank_events_path(peer_args.events_path, rank))
+    events.open_event_log(ranks.rank_events_path(config.peer.events_path, rank))
     try:
         flush_denormals()
         device = ranks.training_device()
-        amp_dtype = autocast_dtype(training_args, device)
-        task = TASKS[dataset_args.task]
-        tokenizer = load_tokenizer(dataset_args)
-        model, _ = build_model(dataset_args, tokenizer, training_args.seed)
+        amp_dtype = autocast_dtype(config.training, device)
+        task = TASKS[config.dataset.task]
+        tokenizer = load_tokenizer(config.dataset)
+        model, _ = build_model(config.dataset, tokenizer, config.training.seed)
         model.to(device)
         batches = batch_stream(
-            task.train_dataset(dataset_args, tokenizer),
+            task.train_dataset(config.dataset, tokenizer),
             task.collator(tokenizer),
-            training_args.per_device_train_batch_size,
+            config.training.per_device_train_batch_size,
             # a key of its own, as rank 0's data order is keyed by its peer's (process-wide, fresh) public key
-            peer_data_seed(training_args.seed, os.urandom(32)),
+            peer_data_seed(config.training.seed, os.urandom(32)),
             task.name,
-            training_args.dataloader_num_workers,
+            config.training.dataloader_num_workers,
             pin_memory=device.type == "cuda",
         )
-        epoch = follow(model, batches, training_args, device, amp_dtype)
+        epoch = follow(model, batches, config.training, device, amp_dtype)
         logger.info("Rank %d stopped with rank 0 at global epoch %d", rank, epoch)
     finally:
         events.open_event_log(None)

@@ -5,15 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from arguments import (
-    AveragerArguments,
-    CollaborationArguments,
-    DatasetArguments,
-    OptimizerArguments,
-    PeerArguments,
-    ProgressTrackerArguments,
-    TrainingArguments,
-)
+from arguments import PeerConfig
 from collab import events, signals
 from collab.callback import CollaborativeCallback, read_resume_point
 from collab.dht import joined_fields, start_dht
@@ -29,62 +21,35 @@ from trainer.tasks import TASKS
 logger = logging.getLogger(__name__)
 
 
-def run_peer(
-    peer_args: PeerArguments,
-    optimizer_args: OptimizerArguments,
-    averager_args: AveragerArguments,
-    tracker_args: ProgressTrackerArguments,
-    collaboration_args: CollaborationArguments,
-    dataset_args: DatasetArguments,
-    training_args: TrainingArguments,
-    stop: threading.Event,
-) -> TrainingSummary:
+def run_peer(config: PeerConfig, stop: threading.Event) -> TrainingSummary:
     """Join the collaboration, train until stopped or max_steps, save the model to output_dir, leave cleanly.
     Ends with the ``shutdown`` event, ``saved`` telling whether the model reached output_dir; a shutdown forced
     before that exits ``signals.EXIT_NOT_SAVED`` (the deadline is derived from the model: ``collab.timeouts``)."""
-    events.open_event_log(peer_args.events_path)
-    signals.expect_final_save(epoch=None, folder=str(training_args.output_dir))
+    events.open_event_log(config.peer.events_path)
+    signals.expect_final_save(epoch=None, folder=str(config.training.output_dir))
     summary = None
     try:
-        summary = _train_and_save(
-            peer_args,
-            optimizer_args,
-            averager_args,
-            tracker_args,
-            collaboration_args,
-            dataset_args,
-            training_args,
-            stop,
-        )
+        summary = _train_and_save(config, stop)
         return summary
     finally:
         signals.leave(
             saved=summary is not None,
             epoch=None if summary is None else summary.end_epoch,
-            folder=str(training_args.output_dir),
+            folder=str(config.training.output_dir),
         )
 
 
-def _train_and_save(
-    peer_args: PeerArguments,
-    optimizer_args: OptimizerArguments,
-    averager_args: AveragerArguments,
-    tracker_args: ProgressTrackerArguments,
-    collaboration_args: CollaborationArguments,
-    dataset_args: DatasetArguments,
-    training_args: TrainingArguments,
-    stop: threading.Event,
-) -> TrainingSummary:
+def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummary:
     flush_denormals()
     device = training_device()
-    amp_dtype = autocast_dtype(training_args, device)
-    if training_args.fp16 and not training_args.bf16 and amp_dtype is None:
+    amp_dtype = autocast_dtype(config.training, device)
+    if config.training.fp16 and not config.training.bf16 and amp_dtype is None:
         logger.info("fp16 needs CUDA: training in fp32 on %s", device.type)
-    task = TASKS[dataset_args.task]
-    tokenizer = load_tokenizer(dataset_args)
-    model, _ = build_model(dataset_args, tokenizer, training_args.seed)
+    task = TASKS[config.dataset.task]
+    tokenizer = load_tokenizer(config.dataset)
+    model, _ = build_model(config.dataset, tokenizer, config.training.seed)
     model.to(device)
-    dataset = task.train_dataset(dataset_args, tokenizer)
+    dataset = task.train_dataset(config.dataset, tokenizer)
     collator = task.collator(tokenizer)
     logger.info(
         "Model %s (--task %s, %.2fM parameters); %d training rows from %s",
@@ -92,43 +57,50 @@ def _train_and_save(
         task.name,
         sum(p.numel() for p in model.parameters()) / 1e6,
         len(dataset),
-        dataset_args.dataset_path,
+        config.dataset.dataset_path,
     )
 
     resume = None
-    if collaboration_args.resume_from is not None:
-        resume = read_resume_point(collaboration_args.resume_from, type(model))
-    validators, public_key = make_validators(peer_args.experiment_prefix)
-    dht = start_dht(peer_args, validators)
-    events.emit("joined", **joined_fields(dht, peer_args.client_mode))
+    if config.collaboration.resume_from is not None:
+        resume = read_resume_point(config.collaboration.resume_from, type(model))
+    validators, public_key = make_validators(config.peer.experiment_prefix)
+    dht = start_dht(config.peer, validators)
+    events.emit("joined", **joined_fields(dht, config.peer.client_mode))
     optimizer = None
     try:
-        timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
+        timeouts = collaboration_timeouts(model, config.optimizer, config.averager)
         signals.set_shutdown_deadline(timeouts.shutdown_deadline)
         optimizer = build_optimizer(
-            model, dht, peer_args, optimizer_args, averager_args, tracker_args, training_args, timeouts=timeouts
+            model,
+            dht,
+            config.peer,
+            config.optimizer,
+            config.averager,
+            config.tracker,
+            config.training,
+            timeouts=timeouts,
         )
         callback = CollaborativeCallback(
             dht,
             optimizer,
             model,
             public_key,
-            peer_args.experiment_prefix,
-            collaboration_args.statistics_expiration,
-            collaboration_args.backup_every_steps,
-            collaboration_args.public_name,
+            config.peer.experiment_prefix,
+            config.collaboration.statistics_expiration,
+            config.collaboration.backup_every_steps,
+            config.collaboration.public_name,
         )
         callback.on_train_begin(resume)
         batches = batch_stream(
             dataset,
             collator,
-            training_args.per_device_train_batch_size,
-            peer_data_seed(training_args.seed, public_key),
+            config.training.per_device_train_batch_size,
+            peer_data_seed(config.training.seed, public_key),
             task.name,
-            training_args.dataloader_num_workers,
+            config.training.dataloader_num_workers,
             pin_memory=device.type == "cuda",
         )
-        summary = train(model, optimizer, callback, batches, training_args, device, stop, amp_dtype)
+        summary = train(model, optimizer, callback, batches, config.training, device, stop, amp_dtype)
     finally:
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
@@ -137,7 +109,7 @@ def _train_and_save(
             optimizer.shutdown()
         dht.shutdown()
 
-    with atomic_directory(training_args.output_dir) as folder:
+    with atomic_directory(config.training.output_dir) as folder:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     logger.info(
@@ -146,7 +118,7 @@ def _train_and_save(
         summary.start_epoch,
         _fmt(summary.first_loss),
         _fmt(summary.last_loss),
-        training_args.output_dir,
+        config.training.output_dir,
     )
     return summary
 

@@ -3,10 +3,10 @@ among themselves, stay finite and can agree again.
 
 Honest A and B and liar C (tests/liar_peer.py: every part C sends into a gradient or parameter round is inf) train
 together until A or B has refused C's values in a gradient round and in a parameter round. C then leaves, and A and
-B are compared after a parameter round of the two at learning rate 0, found in their events. While C takes part they need not agree: C's own finite
-values still enter the part of each round that C reduces (the limit collab/averagers.py states), and C, refused by
-the others, drifts. With hivemind's plain averagers this test fails: A's and B's Lamb steps turn the inf gradients
-into NaN parameters and their callbacks roll back.
+B are compared after a complete parameter round of the two at learning rate 0, found in their events. While C takes
+part they need not agree: C's own finite values still enter the part of each round that C reduces (the limit
+collab/averagers.py states), and C, refused by the others, drifts. With hivemind's plain averagers this test fails:
+A's and B's Lamb steps turn the inf gradients into NaN parameters and their callbacks roll back.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ PROGRAM = textwrap.dedent(
         return run
 
     for kind in sys.argv[1:]:
-        print(kind, run_program("probe", [Nothing], raiser(getattr(errors, kind)), argv=[]), flush=True)
-    run_program("probe", [Nothing], raiser(RuntimeError), argv=[])
+        print(kind, run_program("probe", Nothing, raiser(getattr(errors, kind)), argv=[]), flush=True)
+    run_program("probe", Nothing, raiser(RuntimeError), argv=[])
     """
 )
 

@@ -51,7 +51,7 @@ PROGRAM = textwrap.dedent(
         get_logger("hivemind.dht").warning(forged)
         transformers.logging.get_logger("transformers.trainer").warning(forged)
 
-    sys.exit(run_program("probe", [Nothing], run, argv=[]))
+    sys.exit(run_program("probe", Nothing, run, argv=[]))
     """
 )
 
