@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import hivemind
+import pydantic
 import torch
 from hivemind.utils import get_dht_time
 
@@ -126,20 +127,11 @@ class CollaborativeCallback:
     def _end_epoch(self) -> EpochReport:
         self.last_epoch = epoch = self.optimizer.local_epoch
         samples_per_second = float(self.optimizer.local_progress.samples_per_second)
-        published = self.optimizer.is_synchronized_with_peers()
-        if published:
-            self.contributed_samples += self.samples
-            self.contributed_epochs += 1
-        metrics = LocalMetrics(
-            step=epoch,
-            samples_per_second=samples_per_second if math.isfinite(samples_per_second) else 0.0,
-            samples_accumulated=self.samples,
-            loss=float(self.loss_sum),
-            mini_steps=self.mini_steps,
-            contributed_samples=self.contributed_samples,
-            contributed_epochs=self.contributed_epochs,
-            public_name=self.public_name,
-        )
+        if not math.isfinite(samples_per_second):
+            samples_per_second = 0.0
+        in_sync = self.optimizer.is_synchronized_with_peers()
+        metrics = self._metrics(epoch, samples_per_second, in_sync)
+        published = in_sync and metrics is not None
         if published:
             self.dht.store(
                 key=self.key,
@@ -153,7 +145,7 @@ class CollaborativeCallback:
             loss=self.loss_sum / max(1, self.mini_steps),
             mini_steps=self.mini_steps,
             samples=self.samples,
-            samples_per_second=metrics.samples_per_second,
+            samples_per_second=samples_per_second,
             published=published,
         )
         self.loss_sum, self.mini_steps, self.samples = 0.0, 0, 0
@@ -167,6 +159,30 @@ class CollaborativeCallback:
             published=published,
         )
         return report
+
+    def _metrics(self, epoch: int, samples_per_second: float, in_sync: bool) -> LocalMetrics | None:
+        """This epoch's record (its samples counted as contributed when ``in_sync``), or None with a warning when a
+        value is past the record's bounds: a diverged loss must not stop the peer, nor reach the swarm's records."""
+        contributed_samples = self.contributed_samples + (self.samples if in_sync else 0)
+        contributed_epochs = self.contributed_epochs + int(in_sync)
+        try:
+            metrics = LocalMetrics(
+                step=epoch,
+                samples_per_second=samples_per_second,
+                samples_accumulated=self.samples,
+                loss=float(self.loss_sum),
+                mini_steps=self.mini_steps,
+                contributed_samples=contributed_samples,
+                contributed_epochs=contributed_epochs,
+                public_name=self.public_name,
+            )
+        except pydantic.ValidationError as e:
+            problems = "; ".join(error["msg"] for error in e.errors())
+            logger.warning("Not publishing the metrics of epoch %d (training may have diverged): %s", epoch, problems)
+            return None
+        if in_sync:
+            self.contributed_samples, self.contributed_epochs = contributed_samples, contributed_epochs
+        return metrics
 
     def parameters_are_finite(self) -> bool:
         return all_finite(self.model.parameters())
