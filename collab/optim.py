@@ -7,7 +7,9 @@ The trainer wraps it in ``hivemind.Optimizer``; the monitor rebuilds exactly the
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
+import math
 from collections.abc import Callable
 
 import hivemind
@@ -257,17 +259,30 @@ def build_optimizer(
     )
 
 
-def inner_lamb(model: torch.nn.Module, training_args: TrainingArguments) -> tuple[Lamb, Callable]:
-    """The low-communication mode's inner Lamb over the model's parameters and its schedule. Trainers and the monitor
-    both build the schedule: it adds ``initial_lr`` to Lamb's groups, part of the state layout they exchange."""
-    inner = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
-    return inner, scheduler_factory(training_args)(inner)
+def inner_learning_rate(learning_rate: float, inner_batch: int, target_batch_size: int) -> float:
+    """The low-communication mode's inner rate. ``--learning_rate`` is the rate of a step of ``target_batch_size``
+    samples, the synchronous mode's step; an inner step takes ``inner_batch`` samples, so its rate is scaled by
+    sqrt(inner_batch / target_batch_size), the square-root rule of Adam-family optimizers: many small noisy steps at
+    the full rate move the parameters far more than the step they stand for."""
+    return learning_rate * math.sqrt(min(1.0, inner_batch / target_batch_size))
+
+
+def inner_lamb(
+    model: torch.nn.Module, training_args: TrainingArguments, target_batch_size: int
+) -> tuple[Lamb, Callable]:
+    """The low-communication mode's inner Lamb over the model's parameters (at ``inner_learning_rate``) and its
+    schedule. Trainers and the monitor both build the schedule: it adds ``initial_lr`` to Lamb's groups, part of the
+    state layout they exchange."""
+    rate = inner_learning_rate(training_args.learning_rate, local_batch_size(training_args), target_batch_size)
+    inner_args = dataclasses.replace(training_args, learning_rate=rate)
+    inner = lamb_factory(inner_args)(parameter_groups(model, training_args.weight_decay))
+    return inner, scheduler_factory(inner_args)(inner)
 
 
 def lowcomm_mode(model: torch.nn.Module, optimizer_args: OptimizerArguments, training_args: TrainingArguments) -> dict:
     """``LowCommOptimizer``'s own arguments: Lamb (and its schedule, by global epoch) as the inner optimizer over the
     model's parameters, the outer step's settings and the pseudo-gradient codec."""
-    inner, inner_scheduler = inner_lamb(model, training_args)
+    inner, inner_scheduler = inner_lamb(model, training_args, optimizer_args.target_batch_size)
     return dict(
         inner_optimizer=inner,
         inner_scheduler=inner_scheduler,
@@ -313,7 +328,7 @@ def build_state_averager(
     if timeouts is None:
         timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
     if optimizer_args.local_steps > 0:  # the low-communication mode's state: anchors, outer momentum, inner Lamb
-        inner, _ = inner_lamb(model, training_args)
+        inner, _ = inner_lamb(model, training_args, optimizer_args.target_batch_size)
         optimizer = outer_optimizer_factory(optimizer_args.outer_learning_rate, optimizer_args.outer_momentum, inner)
         scheduler = None
     else:

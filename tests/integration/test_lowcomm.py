@@ -30,7 +30,7 @@ STEP_CAP = MAX_STEPS + 20  # --max_steps: a bound should the stop below never co
 AVERAGING_TIMEOUT = 15
 LOWCOMM = [
     *("--local_steps", "2", "--target_batch_size", "128", "--matchmaking_time", "1.5"),
-    *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS), "--learning_rate", "0.05"),
+    *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS)),
 ]
 
 

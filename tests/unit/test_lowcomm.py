@@ -24,7 +24,13 @@ from collab.lowcomm import (
     rebase_,
     round_target_samples,
 )
-from collab.optim import build_optimizer, build_state_averager, lamb_factory, parameter_groups
+from collab.optim import (
+    build_optimizer,
+    build_state_averager,
+    inner_learning_rate,
+    lamb_factory,
+    parameter_groups,
+)
 from trainer.model import tiny_bert_config
 
 
@@ -163,6 +169,12 @@ def test_bad_low_communication_settings_name_their_flag(settings, flag):
     assert error.value.field == flag and str(error.value).startswith(f"--{flag}:")
 
 
+def test_inner_steps_take_the_rate_scaled_by_the_root_of_their_share_of_the_target_batch():
+    assert inner_learning_rate(0.2, inner_batch=16, target_batch_size=256) == pytest.approx(0.05)
+    assert inner_learning_rate(0.2, inner_batch=16, target_batch_size=1024) == pytest.approx(0.025)
+    assert inner_learning_rate(0.2, inner_batch=512, target_batch_size=256) == 0.2  # never above the step's rate
+
+
 def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
     """Alone, a round's pseudo-gradient is this peer's own: once the background outer step is applied, anchor and
     parameters are the start moved by 0.7 x (1 + 0.9) x the pseudo-gradient (Nesterov's first step)."""
@@ -184,6 +196,9 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
         )
         try:
             assert isinstance(optimizer, LowCommOptimizer) and optimizer.target_batch_size == 24
+            # inner steps of 4 samples stand for steps of 8: the rate times sqrt(1/2)
+            inner_rates = [group["initial_lr"] for group in optimizer.inner_optimizer.param_groups]
+            assert inner_rates == pytest.approx([training_args.learning_rate * 0.5**0.5] * len(inner_rates))
             batch = {"input_ids": torch.randint(0, 100, (4, 8)), "labels": torch.randint(0, 100, (4, 8))}
             while optimizer.local_epoch == 0:
                 model(**batch).loss.backward()
