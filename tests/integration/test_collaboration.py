@@ -37,7 +37,7 @@ from collab.checkpoint import list_checkpoints
 from collab.dht import start_dht
 from collab.schema import LocalMetrics, make_validators, metrics_key, read_metrics
 from tests.conftest import RecordingServer, serve_recording
-from tests.integration.agreement import assert_parameters_agree, saved_parameters
+from tests.integration.agreement import assert_parameters_agree, initial_parameters, saved_parameters
 from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -332,15 +332,6 @@ def test_parameters_agree_within_fp16_tolerance(collaboration):
     initial = initial_parameters()
     moved = max((a[name] - initial[name]).abs().max().item() for name in a)
     assert moved > 0.01, "parameters barely moved: the peers did not train"
-
-
-def initial_parameters() -> dict[str, torch.Tensor]:
-    """The parameters every peer started from: the tiny default model with the default seed."""
-    from arguments import DatasetArguments, TrainingArguments
-    from trainer.model import build_model, load_tokenizer
-
-    model, _ = build_model(DatasetArguments(), load_tokenizer(DatasetArguments()), seed=TrainingArguments.seed)
-    return model.state_dict()
 
 
 def test_faulty_peer_drops_the_bad_batch_and_rolls_back(collaboration):
