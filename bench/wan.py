@@ -199,10 +199,10 @@ def round_counts(events_path: Path, start: float, end: float, event: str) -> int
     return sum(1 for record in records if record.get("kind") != "parameters" and start < record["time"] <= end)
 
 
-def slow_link_flags(rate_mbit: float) -> list[str]:
-    """Timeouts that let a round finish on a slow link: a 64 KiB chunk may take seconds to come."""
-    chunk_s = max(10.0, 4 * 65536 * 8 / (rate_mbit * 1e6))
-    return ["--next_chunk_timeout", f"{chunk_s:.0f}", "--averaging_timeout", f"{max(300.0, 4 * chunk_s):.0f}"]
+def link_flags(rate_mbit: float) -> list[str]:
+    """The peers' ``--bandwidth``: their rounds' and downloads' timeouts are derived from it and the model
+    (``collab.timeouts``), as a volunteer's would be."""
+    return ["--bandwidth", f"{rate_mbit:.4g}"]
 
 
 def default_model_params() -> int:
@@ -350,7 +350,7 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
         progress("wan: alone")
         epoch_compute_s = plan.target_batch_size / alone["samples_per_second"]
         rate = scaled_rate_mbit(SETTING, params, epoch_compute_s)
-        slow = [*common, *slow_link_flags(rate), "--bandwidth", f"{rate:.4g}"]
+        slow = [*common, *link_flags(rate)]
         sync = run_swarm(network, "sync", slow, log_dir, plan.seconds, rate_mbit=rate)
         progress("wan: synchronous")
         lowcomm: dict = {}
@@ -408,7 +408,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     micro_s = compute_s(numel, SHADOW_TOKENS_PER_MICRO_BATCH, SETTING.gpu_flops)
     flags = ["--layers", str(plan.shadow_layers), "--micro_batch_s", f"{micro_s:.4f}"]
     flags += ["--target_batch_size", str(16 * 16 * plan.shadow_peers)]
-    flags += [*slow_link_flags(SETTING.link_mbit), "--bandwidth", str(SETTING.link_mbit)]
+    flags += link_flags(SETTING.link_mbit)
     with hub_network(plan.shadow_peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wansh", subnet="10.78.1") as network:
         runs = {}
         for mode, together in (("alone", False), ("sync", True)):
