@@ -265,6 +265,9 @@ def wan_section(wan: dict) -> str:
         ["alone (shadow compute)", shadow["rate_mbit"], shadow["alone"]],
         ["synchronous (shadow compute)", shadow["rate_mbit"], shadow["sync"]],
     ]
+    if "lowcomm" in shadow:
+        name = f"low-communication H {shadow['local_steps']}, 8bit (shadow compute)"
+        modes.append([name, shadow["rate_mbit"], shadow["lowcomm"]])
     rows = [
         [
             name,

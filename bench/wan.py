@@ -400,6 +400,11 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
     }
 
 
+# H of the shadow run's low-communication mode: an outer round every 10 global batches (about 30 s of compute at
+# the setting), so that rounds complete within the measured window.
+SHADOW_LOCAL_STEPS = 10
+
+
 def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     """Shadow compute: GPT-2-shaped gradients over links at the setting's own rate, alone and together."""
     from bench.shadow import shadow_numel
@@ -411,11 +416,15 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     flags += link_flags(SETTING.link_mbit)
     with hub_network(plan.shadow_peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wansh", subnet="10.78.1") as network:
         runs = {}
-        for mode, together in (("alone", False), ("sync", True)):
+        for mode, together, extra in (
+            ("alone", False, []),
+            ("sync", True, []),
+            ("lowcomm", True, lowcomm_flags(SHADOW_LOCAL_STEPS, "8bit")),
+        ):
             runs[mode] = run_swarm(
                 network,
                 f"shadow_{mode}",
-                flags,
+                [*flags, *extra],
                 log_dir,
                 plan.shadow_seconds,
                 together=together,
@@ -423,17 +432,23 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 rate_mbit=SETTING.link_mbit,
             )
             progress(f"wan: shadow {mode}")
-    sync = runs["sync"]
+    alone = runs["alone"]["samples_per_second"]
+    together = {
+        mode: _public(runs[mode])
+        | {
+            "efficiency": ratio(runs[mode]["samples_per_second"], alone),
+            # a synchronous step is a global epoch, a low-communication one an inner step
+            "bits_per_param_per_step": traffic_bits(runs[mode], numel, per_epoch=mode == "sync"),
+        }
+        for mode in ("sync", "lowcomm")
+    }
     return {
         "params": numel,
         "micro_batch_s": micro_s,
         "rate_mbit": SETTING.link_mbit,
+        "local_steps": SHADOW_LOCAL_STEPS,
         "alone": _public(runs["alone"]),
-        "sync": _public(sync)
-        | {
-            "efficiency": ratio(sync["samples_per_second"], runs["alone"]["samples_per_second"]),
-            "bits_per_param_per_step": traffic_bits(sync, numel, per_epoch=True),
-        },
+        **together,
     }
 
 
@@ -457,6 +472,8 @@ def summarize(wan: dict) -> dict:
     bits: dict = {}
     if wan.get("shadow"):
         bits["shadow_sync"] = wan["shadow"]["sync"]["bits_per_param_per_step"]
+        if "lowcomm" in wan["shadow"]:
+            bits["shadow_lowcomm"] = wan["shadow"]["lowcomm"]["bits_per_param_per_step"]
     scaled = wan.get("rate_scaled")
     if scaled:
         variants = [run for run in scaled["lowcomm"].values() if run]
