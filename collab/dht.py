@@ -93,7 +93,8 @@ def reachability_line(reach: Reachability, use_relay: bool, prefix: str, peers_f
     ``peers_found``: peers with progress records under ``prefix``, -1 if the lookup found none in time, None if
     not looked up (a first peer).
     """
-    line = _HOW_REACHED[reach.via].capitalize()
+    how = _HOW_REACHED[reach.via]
+    line = how[0].upper() + how[1:]
     line += "; relays " + ("on" if use_relay else "off (--use_relay false)")
     if peers_found is not None and peers_found < 0:
         line += (

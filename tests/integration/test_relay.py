@@ -1,0 +1,156 @@
+"""A peer that cannot accept connections joins and averages, where the machine allows network namespaces (root).
+
+Three trainers, each in its own namespace on the hub network of bench.procs: a relay peer, a third peer and a
+firewalled peer whose namespace refuses every inbound TCP connection (its SYN-ACKs are dropped on its own link, so
+no connection to it opens, while those it opens and the packets of open ones pass). With --use_auto_relay the
+firewalled peer reserves a slot on the relay and says, in its ``joined`` event, that it is reached through it; in
+client mode it says it is not reachable. Either way it must average with the others. Skipped with the reason where
+namespaces or the qdiscs this needs are not available.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.procs import NamespacesUnavailable, hub_network
+from trainer.local import PeerProcess, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+JOIN_S = 60  # seconds for a peer's joined event (the relay slot is waited for before it)
+AVERAGE_S = 120  # seconds, from the firewalled peer's start, for it to average with another peer
+LINK_MBIT = 1000.0
+SETTINGS = [
+    "--target_batch_size",
+    "64",
+    "--matchmaking_time",
+    "2",
+    "--averaging_timeout",
+    "15",
+    "--metadata_expiration",
+    "10",
+]
+
+
+def netns_exec(netns: str, *command: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", netns, *command], capture_output=True, text=True, timeout=timeout)
+
+
+def refuse_inbound_tcp(netns: str, device: str) -> None:
+    """Drop every SYN-ACK ``device`` sends: no TCP connection into ``netns`` completes, outbound ones do.
+
+    An htb tree sends packets with SYN and ACK set (byte 33: TCP flags after a 20-byte IPv4 header) to a class
+    whose queue holds nothing; everything else goes to the default class. tc's actions (gact) are not needed.
+    """
+    commands = [
+        ("qdisc", "del", "dev", device, "root"),
+        ("qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "2"),
+        ("class", "add", "dev", device, "parent", "1:", "classid", "1:1", "htb", "rate", "1mbit"),
+        ("class", "add", "dev", device, "parent", "1:", "classid", "1:2", "htb", "rate", f"{LINK_MBIT:g}mbit"),
+        ("qdisc", "add", "dev", device, "parent", "1:1", "handle", "10:", "pfifo", "limit", "0"),
+        ("filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32")
+        + ("match", "ip", "protocol", "6", "0xff", "match", "u8", "0x12", "0x12", "at", "33", "flowid", "1:1"),
+    ]
+    for command in commands:
+        done = netns_exec(netns, "tc", *command)
+        if done.returncode != 0:
+            pytest.skip(f"cannot firewall a namespace with tc here (tc {' '.join(command)}: {done.stderr.strip()})")
+
+
+def tcp_connects(from_netns: str, to_netns: str, address: str, port: int = 7711) -> bool:
+    """Whether a TCP connection from ``from_netns`` to a listener in ``to_netns`` opens within 3 seconds."""
+    listen = (
+        "import socket,sys; s=socket.create_server((sys.argv[1], int(sys.argv[2])), reuse_port=True); "
+        "s.settimeout(10); print('listening', flush=True); s.accept()"
+    )
+    connect = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)"
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", to_netns, sys.executable, "-c", listen, address, str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert listener.stdout.readline().strip() == "listening", f"no TCP listener in {to_netns}"
+        return netns_exec(from_netns, sys.executable, "-c", connect, address, str(port)).returncode == 0
+    finally:
+        listener.kill()
+        listener.wait()
+
+
+@pytest.fixture
+def three_sites():
+    """Namespaces on one hub: the relay, the third peer, and the firewalled peer (no inbound TCP)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2's `ip` and `tc`")
+    try:
+        # libp2p builds relayed addresses from a relay's public addresses only (private ones are dropped), so the hub
+        # uses a public range; its namespaces route nowhere else
+        with hub_network(3, LINK_MBIT, LINK_MBIT, prefix="relaytest", subnet="11.77.0") as network:
+            relay, third, walled = network.peers
+            assert tcp_connects(third.netns, walled.netns, walled.address), "the hub network does not connect"
+            refuse_inbound_tcp(walled.netns, walled.device)
+            assert not tcp_connects(third.netns, walled.netns, walled.address), "inbound TCP still reaches the peer"
+            assert tcp_connects(walled.netns, third.netns, third.address), "the firewalled peer cannot dial out"
+            yield network
+    except NamespacesUnavailable as e:
+        pytest.skip(str(e))
+
+
+def averaged_with_others(peer) -> bool:
+    return any(size >= 2 for size in peer.averaging_group_sizes())
+
+
+def run_swarm(network, tmp_path, walled_flags: list[str]) -> dict:
+    """Start the relay and third peers, then the firewalled one with ``walled_flags``; wait until the firewalled
+    peer averaged with another; its ``joined`` event."""
+    relay, third, walled = network.peers
+    common = ["--experiment_prefix", f"relay{int(time.time())}", *SETTINGS]
+
+    def peer(site, name, flags):
+        return PeerProcess(
+            [*common, *flags, "--host_maddrs", f"/ip4/{site.address}/tcp/0", "--output_dir", str(tmp_path / name)],
+            tmp_path / f"{name}.log",
+            prefix=("ip", "netns", "exec", site.netns),
+        )
+
+    peers = [peer(relay, "relay", ["--use_relay", "true"])]
+    try:
+        join = peers[0].join_flags(timeout=JOIN_S)
+        peers.append(peer(third, "third", join))
+        peers.append(peer(walled, "walled", [*join, *walled_flags]))
+        started = time.monotonic()
+        joined = peers[2].wait_for_event("joined", JOIN_S)
+        wait_until(
+            lambda: averaged_with_others(peers[2]),
+            AVERAGE_S - (time.monotonic() - started),
+            "the firewalled peer to average with another peer",
+        )
+        assert all(p.process.poll() is None for p in peers), "a peer died"
+        assert not peers[2].tracebacks_from_our_code()
+    finally:
+        codes = [p.stop() for p in peers]
+    assert codes == [0] * len(peers)
+    return joined
+
+
+@pytest.mark.xfail(
+    reason="hivemind 1.1.12's p2pd announced no /p2p-circuit address within 15 s in both runs (docs/RELIABILITY.md, "
+    "Reachability); the peer still averaged over the connections it opened",
+    strict=False,
+)
+def test_a_peer_that_accepts_no_connections_joins_through_a_relay_and_averages(three_sites, tmp_path, sample_data):
+    joined = run_swarm(three_sites, tmp_path, ["--use_auto_relay", "true"])
+    assert joined["reachable"] is True and joined["reached_via"] == "relay"
+    assert any("/p2p-circuit" in address for address in joined["address"])
+
+
+def test_a_client_behind_a_firewall_joins_and_averages(three_sites, tmp_path, sample_data):
+    joined = run_swarm(three_sites, tmp_path, ["--client_mode", "true"])
+    assert joined["reachable"] is False and joined["reached_via"] == "client_mode"
