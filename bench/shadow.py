@@ -81,7 +81,7 @@ class ShadowModel(torch.nn.Module):
 def run_shadow(config, stop) -> None:
     """One shadow peer from its root config (``main``'s ``ShadowConfig``) until ``stop``."""
     from collab import events
-    from collab.dht import start_dht
+    from collab.dht import joined_fields, start_dht
     from collab.optim import build_optimizer, finish_delayed_updates
     from collab.schema import make_validators
 
@@ -92,9 +92,7 @@ def run_shadow(config, stop) -> None:
     logger.info("Shadow model: %.1fM parameters", shadow_numel(config.shadow.layers) / 1e6)
     validators, _ = make_validators(config.peer.experiment_prefix)
     dht = start_dht(config.peer, validators)
-    events.emit(
-        "joined", address=[str(maddr) for maddr in dht.get_visible_maddrs()], client_mode=config.peer.client_mode
-    )
+    events.emit("joined", **joined_fields(dht, config.peer.client_mode))
     optimizer = None
     try:
         groups = (config.peer, config.optimizer, config.averager, config.tracker, config.training)
