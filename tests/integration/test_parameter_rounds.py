@@ -15,15 +15,15 @@ import pytest
 
 from arguments import OptimizerArguments
 from tests.faults import DRIFT
-from tests.integration.agreement import assert_parameters_agree, saved_parameters
+from tests.integration.agreement import assert_parameters_agree, evened_out, saved_parameters
 from trainer.local import PeerProcess, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 DRIFT_EPOCH = 3
 # The learning rate decays to 0 at LR_ZERO_EPOCH (--total_steps), two parameter rounds after the drift, so that one
-# failed round does not fail the test. The peers are compared once both are past it: a peer stopped by SIGTERM may
-# or may not hold the last background update, and from there on an update changes nothing.
+# failed round does not fail the test. The peers are stopped once both have averaged their parameters together in a
+# complete round after it (their events say so), and from there on an update changes nothing.
 LR_ZERO_EPOCH = DRIFT_EPOCH + 2 * OptimizerArguments.average_state_every + 2
 SETTINGS = [
     *("--target_batch_size", "128", "--matchmaking_time", "2", "--averaging_timeout", "15"),
@@ -44,9 +44,9 @@ def test_a_drifted_peer_agrees_again_after_the_next_parameter_round(tmp_path, sa
         peers.append(b)
         wait_until(lambda: "drifted by" in a.log(), 240, f"A's parameters to drift in epoch {DRIFT_EPOCH}")
         wait_until(
-            lambda: all(p.latest_epoch() >= LR_ZERO_EPOCH + 2 for p in peers),
+            lambda: all(evened_out(p, 2, LR_ZERO_EPOCH + 1) for p in peers),
             240,
-            f"both peers to reach epoch {LR_ZERO_EPOCH + 2}",
+            "both peers to average their parameters together, completely, at learning rate 0",
         )
         for peer in peers:
             peer.process.send_signal(signal.SIGTERM)
