@@ -4,6 +4,7 @@
 Forward and backward are a calibrated wait (``--micro_batch_s``, the time the GPU represented takes for a
 micro-batch); the gradients have GPT-2 small's shapes (124M parameters with 12 layers), so real-size payloads cross
 the link, through the same optimizer as real peers (``collab.optim.build_optimizer``: hivemind.Optimizer over Lamb).
+In the low-communication mode the inner optimizer's step is part of the wait too (``ShadowInnerStep``).
 Valid for utilisation and traffic, never for loss. Appends ``[time, samples, epoch]`` to STEPS.jsonl per step, as
 ``bench.probe`` does. Memory: about 9 copies of the parameters in fp32 per peer (model, gradients, offloaded
 parameters and gradients, Lamb's two moments, the averagers' buffers), 4.5 GB with 12 layers.
@@ -78,6 +79,24 @@ class ShadowModel(torch.nn.Module):
             param.grad = torch.randn(param.shape, generator=generator) * 1e-3
 
 
+class ShadowInnerStep:
+    """The low-communication mode's inner optimizer step as the GPU represented takes it: inside ``--micro_batch_s``.
+
+    The real inner step is Lamb over every parameter on these CPUs, far longer than the wait it stands beside, so the
+    figures would measure it instead of the link. Once every ``local_steps`` calls (once a round) the parameters take
+    one SGD step on their fixed gradients, so a round's pseudo-gradients are real values, not zeros, for the codec."""
+
+    def __init__(self, model: torch.nn.Module, local_steps: int, learning_rate: float = 1e-2):
+        self.params = [param for param in model.parameters() if param.grad is not None]
+        self.local_steps, self.learning_rate, self.calls = local_steps, learning_rate, 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.calls % self.local_steps == 0:
+            torch._foreach_add_(self.params, [param.grad for param in self.params], alpha=-self.learning_rate)
+        self.calls += 1
+
+
 def run_shadow(config, stop) -> None:
     """One shadow peer from its root config (``main``'s ``ShadowConfig``) until ``stop``."""
     from collab import events
@@ -97,6 +116,8 @@ def run_shadow(config, stop) -> None:
     try:
         groups = (config.peer, config.optimizer, config.averager, config.tracker, config.training)
         optimizer = build_optimizer(model, dht, *groups)
+        if config.optimizer.local_steps > 0:
+            optimizer.inner_optimizer = ShadowInnerStep(model, config.optimizer.local_steps)
         if config.shadow.ready_file:
             Path(config.shadow.ready_file).touch()
         if config.shadow.start_file:

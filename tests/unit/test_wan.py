@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from bench.formulas import MBIT
 from bench.procs import Child, children, hub_network, link_bytes
@@ -231,3 +232,18 @@ def test_shadow_peer_refuses_a_bad_flag_in_one_line_and_writes_nothing(tmp_path)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bench.shadow: error: --layers: must be 1 to 48"), lines
     assert not steps.exists()
+
+
+def test_the_shadow_inner_step_moves_the_parameters_once_a_round():
+    from bench.shadow import ShadowInnerStep
+
+    model = torch.nn.Linear(4, 2)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    before = [param.detach().clone() for param in model.parameters()]
+    inner = ShadowInnerStep(model, local_steps=3, learning_rate=0.5)
+    moved = []
+    for _ in range(6):
+        inner.step()
+        moved.append(round(float((model.weight - before[0]).mean()), 6))
+    assert moved == [-0.5, -0.5, -0.5, -1.0, -1.0, -1.0]  # one step of 0.5 per 3 calls, at the round's first
