@@ -137,7 +137,7 @@ def state_transfer(dht, shapes, prefix: str, args, sync_dir: Path) -> dict | Non
             while result is None and time.monotonic() < deadline:
                 before = params[0].detach().clone()
                 started = time.monotonic()
-                averager.load_state_from_peers(timeout=PHASE_TIMEOUT)  # returns None whether it loaded or not
+                averager.load_state_from_peers(timeout=PHASE_TIMEOUT)
                 seconds = time.monotonic() - started
                 if not torch.equal(before, params[0]):
                     result = {"seconds": seconds, "bytes": FP16 * state_numel(averager.optimizer, params)}

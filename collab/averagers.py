@@ -40,6 +40,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import InvalidStateError
+from functools import partial
 from itertools import chain
 from typing import Any
 
@@ -153,6 +154,9 @@ class FiniteAveragingMixin:
     """Runs this averager's all-reduce rounds with ``FiniteAllReduceRunner``; put it before the hivemind class."""
 
     round_kind: str  # named in the warning of a round that dropped values
+    # Shared with the optimizer and the other averager (an mp.Value(c_bool)); False while this peer catches up with a
+    # state older than the swarm's (``BoundedLoadOptimizer``). None: always a full member.
+    holds_swarm_state = None
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -161,7 +165,13 @@ class FiniteAveragingMixin:
         return hivemind_class(cls)._get_handle_name(namespace, method_name)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id: bytes | None = None, **kwargs):
-        """hivemind's ``DecentralizedAverager._run_allreduce_inplace_`` with ``FiniteAllReduceRunner``."""
+        """hivemind's ``DecentralizedAverager._run_allreduce_inplace_`` with ``FiniteAllReduceRunner``.
+
+        While this peer catches up it takes part with weight 0: it receives the group's average and adds nothing from
+        its old state. The first parameter round whose every value came from groupmates with weight makes it whole."""
+        catching_up = self.holds_swarm_state is not None and not self.holds_swarm_state.value
+        if catching_up:
+            kwargs["weight"] = 0.0
         group_id = group_info.group_id if group_id is None else group_id
         runner = FiniteAllReduceRunner(
             round_kind=self.round_kind,
@@ -184,6 +194,15 @@ class FiniteAveragingMixin:
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
+        made_whole = evened_out(runner.group_size, runner.values_kept_local())
+        if catching_up and self.round_kind == "parameter" and made_whole:
+            self.holds_swarm_state.value = True
+
+
+def evened_out(group_size: int, values_kept_local: int) -> bool:
+    """Whether a round taken part in with weight 0 replaced every value with the groupmates' average: a value whose
+    reducer failed, or whose every sender had weight 0 (0/0), is kept local."""
+    return group_size >= 2 and values_kept_local == 0
 
 
 class FiniteAverager(FiniteAveragingMixin, FixedDecentralizedAverager):
@@ -196,6 +215,10 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
     """hivemind's ``GradientAverager`` whose rounds refuse non-finite values (``grad_averager_factory=``)."""
 
     round_kind = "gradient"
+
+    def __init__(self, *args, holds_swarm_state=None, **kwargs):
+        self.holds_swarm_state = holds_swarm_state  # before hivemind starts the averager's process, which reads it
+        super().__init__(*args, **kwargs)
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
         """Downloads nothing. hivemind's ``Optimizer.load_state_from_peers`` downloads a donor's gradient buffers here
@@ -321,6 +344,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     def __init__(self, *, run_id: str | None = None, **kwargs):
         self.run_id = run_id
         self._max_donor_epoch = mp.Value(ctypes.c_double, math.inf)  # read by the averager's process
+        self.holds_swarm_state = mp.Value(ctypes.c_bool, True)
         super().__init__(**kwargs)
 
     def swarm_epoch(self) -> int | None:
@@ -332,8 +356,9 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             return None
         return honest_progress_epoch(found.value, get_dht_time(), exclude_peer=self.peer_id.to_bytes())
 
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
-        """hivemind's ``TrainingStateAverager.load_state_from_peers``, refusing a lying donor (see the class)."""
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> bool:
+        """hivemind's ``TrainingStateAverager.load_state_from_peers``, refusing a lying donor (see the class);
+        whether a donor's state was applied."""
         assert wait, "FiniteTrainingStateAverager.load_state_from_peers waits for the state"
         swarm_epoch = self.swarm_epoch()
         max_epoch = None if swarm_epoch is None else swarm_epoch + EPOCH_LEAD_LIMIT + math.ceil(timeout or 0)
@@ -349,7 +374,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             downloaded = self._try_download(timeout, skipped)
             if downloaded is None:
                 logger.info("No other peer could send its state; keeping this peer's own")
-                return None
+                return False
             donor, metadata, tensors = downloaded
             if donor is not None:
                 skipped.append(donor)
@@ -357,10 +382,11 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
                 continue
             reason = state_refusal(metadata, tensors, expected_shapes, optimizer_metadata, self.local_epoch, max_epoch)
             if reason is None:
-                return self._apply_state(metadata, tensors[: len(parameters)], tensors[len(parameters) :], parameters)
+                self._apply_state(metadata, tensors[: len(parameters)], tensors[len(parameters) :], parameters)
+                return True
             logger.warning("Refused the state of peer %s: %s; trying another peer", donor, reason)
         logger.warning("No acceptable state in %d tries; keeping this peer's own", MAX_DONORS_PER_LOAD)
-        return None
+        return False
 
     def _try_download(self, timeout: float | None, skipped: Sequence[PeerID]) -> tuple | None:
         """One try in the averager's process (``_load_state_from_peers``): ``(donor, metadata, tensors)``, with
@@ -461,7 +487,11 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
 
 
 class BoundedLoadOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose loads of the state from peers end (``load_state_from_peers``)."""
+    """``hivemind.Optimizer`` whose loads of the state from peers end, and whose newcomer catches up with a state
+    several epochs old instead of loading it again (``load_state_from_peers``). Its state averager is a
+    ``FiniteTrainingStateAverager`` and its gradient averager a ``FiniteGradientAverager``."""
+
+    catching_up_since: float | None = None  # time.monotonic() when the catch-up began; None when a full member
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's ``Optimizer.load_state_from_peers`` with one bounded load instead of its retry loop.
@@ -469,19 +499,27 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         hivemind retried a failed load at once and forever, while the abandoned download kept running. Here the state
         averager makes the tries (at most ``MAX_DONORS_PER_LOAD``, a different donor each, with backoff, each bounded
         by ``load_state_timeout`` and stopped when abandoned) and an error ends the load with this peer's own state.
-        The gradient averager's buffers are not downloaded (``FiniteGradientAverager``)."""
+        The gradient averager's buffers are not downloaded (``FiniteGradientAverager``).
+
+        hivemind takes the swarm's epoch after a state one epoch old, and loads again after an older one: where a
+        download outlasts several epochs, every load ends behind and the newcomer never trains. Here it takes the
+        swarm's epoch after any state it downloaded and catches up (``_begin_catching_up``)."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)  # as hivemind: do not stall a round already begun
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         with self.tracker.pause_updates():
+            loaded = False
             try:
-                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             except Exception as e:
                 logger.exception("Loading the state from peers failed (%r); keeping this peer's own", e)
-            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
-                logger.log(self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}")
-                self.state_averager.local_epoch = self.tracker.global_epoch
+            state_epoch, swarm_epoch = self.local_epoch, self._swarm_epoch_now()
+            if loaded and swarm_epoch - state_epoch > 1:
+                self._begin_catching_up(state_epoch, swarm_epoch)
+            if swarm_epoch - state_epoch == 1 or (self.catching_up_since is not None and swarm_epoch > state_epoch):
+                logger.log(self.status_loglevel, f"Catching up with collaboration step {swarm_epoch}")
+                self.state_averager.local_epoch = swarm_epoch
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
@@ -489,6 +527,69 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
+
+    def _swarm_epoch_now(self) -> int:
+        """The collaboration's epoch after a load: the tracker's stood still during it (its updates were paused), so
+        the peers' progress records are read again."""
+        fresh = self.state_averager.swarm_epoch()
+        return self.tracker.global_epoch if fresh is None else max(self.tracker.global_epoch, fresh)
+
+    def _begin_catching_up(self, state_epoch: int, swarm_epoch: int) -> None:
+        """Train on from a downloaded state of ``state_epoch``, older than ``swarm_epoch``, without letting it into
+        the swarm.
+
+        Until a parameter round has given this peer the swarm's parameters, its rounds take part with weight 0 (it
+        receives the averages, adds nothing: ``FiniteAveragingMixin``), it reports no samples toward the swarm's batch
+        (but still publishes its progress, so that the others average with it) and it shares no state with
+        newcomers. ``step`` sees the end of it."""
+        if self.catching_up_since is None:
+            self.catching_up_since = time.monotonic()
+        self.state_averager.holds_swarm_state.value = False
+        self.tracker.publish_without_samples = True
+        if self.state_averager.allow_state_sharing:
+            self.state_averager.allow_state_sharing = False
+        logger.warning(
+            "The state downloaded (epoch %d) is behind the collaboration's epoch %d: catching up at its next "
+            "parameter round",
+            state_epoch,
+            swarm_epoch,
+        )
+        events.emit("catching_up", epoch=state_epoch, global_epoch=swarm_epoch)
+
+    def _finish_catching_up(self) -> None:
+        """After the parameter round that made this peer whole (``holds_swarm_state`` set by its averager)."""
+        if self.catching_up_since is None or not self.state_averager.holds_swarm_state.value:
+            return
+        seconds, self.catching_up_since = time.monotonic() - self.catching_up_since, None
+        self.tracker.publish_without_samples = False
+        if not self.client_mode and not self.auxiliary:
+            self.state_averager.allow_state_sharing = True
+        logger.log(self.status_loglevel, f"Caught up with the swarm at epoch {self.local_epoch}")
+        events.emit("caught_up", epoch=self.local_epoch, seconds=round(seconds, 3))
+
+    def _should_load_state_from_peers(self) -> bool:
+        """hivemind's, except while catching up: then being epochs behind calls for no new download (it would end
+        behind again), the next epoch's step takes the swarm's epoch and a parameter round its parameters."""
+        return self.catching_up_since is None and super()._should_load_state_from_peers()
+
+    def is_synchronized_with_peers(self) -> bool:
+        """hivemind's, and not while catching up: its epochs then contribute nothing to the swarm's."""
+        return self.catching_up_since is None and super().is_synchronized_with_peers()
+
+    def step(self, *args, **kwargs):
+        self._finish_catching_up()
+        return super().step(*args, **kwargs)
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
+        valid = super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+        if valid and self.catching_up_since is not None:
+            self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)  # they enter no round yet
+        return valid
+
+    def _make_gradient_averager(self, factory, **kwargs):
+        return super()._make_gradient_averager(
+            partial(factory, holds_swarm_state=self.state_averager.holds_swarm_state), **kwargs
+        )
 
 
 class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):

@@ -10,6 +10,7 @@ shares show in the figures. The counts live in the averager's own process, where
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,9 +51,9 @@ class _CountingStub:
 
 
 class TrafficCountingMixin:
-    """Counts an ``AllReduceRunner``'s traffic and emits ``averaged`` (kind, group_size, bytes_sent, bytes_received,
-    seconds, values_kept_local, senders_dropped) when its round completes; put it before ``AllReduceRunner``. The
-    class sets ``round_kind``.
+    """Counts an ``AllReduceRunner``'s traffic and emits ``averaged`` (kind, group_size, weight, update_norm,
+    bytes_sent, bytes_received, seconds, values_kept_local, senders_dropped) when its round completes; put it before
+    ``AllReduceRunner``. The class sets ``round_kind``.
 
     A round "completes" also when groupmates failed in it: hivemind keeps this peer's own values for the parts a
     failed reducer held and averages a part without a sender that came too late. Only a round with both counts 0 at
@@ -86,13 +87,16 @@ class TrafficCountingMixin:
         )
 
     async def run(self) -> AsyncIterator:
-        started = time.monotonic()
+        started, update_square = time.monotonic(), 0.0
         async for delta in super().run():
+            update_square += float(torch.nan_to_num(delta.float(), nan=0.0, posinf=0.0, neginf=0.0).square().sum())
             yield delta
         events.emit(
             "averaged",
             kind=f"{self.round_kind}s",
             group_size=self.group_size,
+            weight=self.weight,
+            update_norm=round(math.sqrt(update_square), 6),
             bytes_sent=self.traffic.sent,
             bytes_received=self.traffic.received,
             seconds=round(time.monotonic() - started, 3),

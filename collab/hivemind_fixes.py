@@ -218,6 +218,7 @@ _original_progress_reporter = ProgressTracker._progress_reporter
 def tracker_init_with_report_period(self, *args, progress_report_period: float = PROGRESS_REPORT_PERIOD, **kwargs):
     """hivemind's ``ProgressTracker.__init__``, taking ``progress_report_period`` (before its thread starts)."""
     self.progress_report_period, self.report_new_epoch = progress_report_period, threading.Event()
+    self.publish_without_samples = False  # set by an optimizer whose peer catches up (collab.averagers)
     _original_tracker_init(self, *args, **kwargs)
 
 
@@ -253,9 +254,11 @@ async def progress_reporter_spaced(self) -> None:
 
             local_progress = self.local_progress
             last_report_time = get_dht_time()
-            if local_progress.samples_accumulated > 0:
+            if local_progress.samples_accumulated > 0 or self.publish_without_samples:
                 last_report_epoch = self.global_epoch
-            if last_report_epoch >= self.global_epoch - 1:  # as hivemind: only peers that are in sync and active
+            # as hivemind: only peers that are in sync and active; a peer catching up counts no samples, yet the
+            # others must see it, or they average with no one and it never gets the parameter round it waits for
+            if last_report_epoch >= self.global_epoch - 1:
                 last_store_time, last_published_epoch = last_report_time, local_progress.epoch
                 store_task = asyncio.create_task(
                     asyncio.wait_for(
@@ -554,14 +557,18 @@ class SpacedProgressTracker(ProgressTracker):
 
 
 def records_within_reach(records: Mapping[Any, Any], now: float, own_peer: bytes | None = None) -> dict:
-    """``records`` without those claiming an epoch more than ``EPOCH_LEAD_LIMIT`` past ``honest_progress_epoch``."""
+    """``records`` without those claiming an epoch more than ``EPOCH_LEAD_LIMIT`` past ``honest_progress_epoch``,
+    ``own_peer``'s kept: a peer knows its own epoch, and with one other peer that lags behind (a newcomer) the limit
+    would drop the veteran's own record and leave it counting no one but the newcomer."""
     swarm_epoch = honest_progress_epoch(records, now, exclude_peer=own_peer)
     if swarm_epoch is None:
         return dict(records)
     return {
         key: entry
         for key, entry in records.items()
-        if (epoch := record_epoch(entry)) is None or epoch <= swarm_epoch + EPOCH_LEAD_LIMIT
+        if (epoch := record_epoch(entry)) is None
+        or epoch <= swarm_epoch + EPOCH_LEAD_LIMIT
+        or (own_peer is not None and entry.value.get("peer_id") == own_peer)
     }
 
 

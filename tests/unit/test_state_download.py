@@ -25,6 +25,7 @@ from collab.averagers import (
     state_refusal,
 )
 from collab.hivemind_fixes import SpacedProgressTracker, records_within_reach
+from tests.local_dht import two_dhts
 from trainer.local import wait_until
 
 LIAR_EPOCH = 2**39
@@ -64,6 +65,10 @@ def test_the_tracker_s_global_epoch_ignores_a_record_far_past_the_honest_majorit
         key: ValueWithExpiration(progress(epoch), live) for key, epoch in ((b"a", 5), (b"b", 6), (b"liar", LIAR_EPOCH))
     }
     assert set(records_within_reach(records, get_dht_time())) == {b"a", b"b"}
+    # a veteran at 25 and a newcomer still at 0: the veteran keeps its own record and the newcomer's
+    pair = {key: ValueWithExpiration(progress(epoch, key), live) for key, epoch in ((b"veteran", 25), (b"new", 0))}
+    assert set(records_within_reach(pair, get_dht_time(), own_peer=b"veteran")) == {b"veteran", b"new"}
+    assert set(records_within_reach(pair, get_dht_time(), own_peer=b"new")) == {b"veteran", b"new"}
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         plain = ProgressTracker(dht, "liar_progress", target_batch_size=64, start=False)
@@ -194,3 +199,44 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
                 averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def average_parameters_once(averagers: list[TrainingStateAverager]) -> None:
+    """One parameter round of ``averagers`` together (hivemind's TrainingStateAverager.step, as the optimizer calls
+    it at an epoch's end)."""
+    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
+        rounds = [
+            pool.submit(averager.step, averaging_round=True, averaging_opts=dict(timeout=30)) for averager in averagers
+        ]
+        for done in rounds:
+            done.result(timeout=60)
+
+
+def test_a_catching_up_peer_takes_the_groups_parameters_and_adds_none_of_its_own():
+    """A peer whose state is old (``holds_swarm_state`` False, as ``BoundedLoadOptimizer`` sets it) averages with
+    weight 0: it ends with the other's parameters (1.0) and the other keeps its own; with every peer of the group
+    catching up no value is averaged (0/0), each keeps its own and stays behind."""
+    options = dict(target_group_size=2, min_matchmaking_time=1.0)
+    with two_dhts() as (first, second):
+        current = make_averager(FiniteTrainingStateAverager, first, 1.0, **options)
+        behind = make_averager(FiniteTrainingStateAverager, second, 0.0, **options)
+        try:
+            behind.holds_swarm_state.value = False
+            average_parameters_once([current, behind])
+            for averager in (current, behind):
+                for param in averager.main_parameters:
+                    assert torch.equal(param, torch.ones_like(param)), "not the current peer's parameters"
+            assert behind.holds_swarm_state.value and current.holds_swarm_state.value
+
+            with torch.no_grad():
+                for param in behind.main_parameters:
+                    param.fill_(0.0)
+            current.holds_swarm_state.value = behind.holds_swarm_state.value = False
+            average_parameters_once([current, behind])
+            for averager, fill in ((current, 1.0), (behind, 0.0)):
+                for param in averager.main_parameters:
+                    assert torch.equal(param, torch.full_like(param, fill)), "a value of a peer catching up was used"
+                assert not averager.holds_swarm_state.value
+        finally:
+            current.shutdown()
+            behind.shutdown()

@@ -1,0 +1,105 @@
+"""A newcomer whose download of the state outlasts several epochs still joins, and its old state never enters the
+swarm, where the machine allows network namespaces (root).
+
+Two trainers in their own namespaces on bench.procs' hub, every link shaped to LINK_MBIT. A trains alone; B joins
+once A has made some epochs. B's download (parameters and Lamb's moments) takes several of A's epochs, so the state it
+gets is epochs old when it arrives: plain hivemind loads it again at the next step, and again, and B never trains
+(docs/RELIABILITY.md). Here B takes the collaboration's epoch and catches up: its rounds have weight 0 until a
+parameter round gives it A's parameters, and only then does it add its own gradients. Its Lamb statistics stay those
+of the state it downloaded (parameter rounds carry parameters only), so it drifts from A more than a full member
+would until they converge, and each parameter round evens that out: the test does not compare the final models.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from bench.procs import NamespacesUnavailable, hub_network
+from trainer.local import PeerProcess, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+LINK_MBIT = 4.0  # the state, about 6 MB in fp16, takes over 12 s: several of A's epochs
+JOIN_S = 60
+A_EPOCHS_FIRST = 1  # epochs A makes alone before B starts: a swarm with progress
+CATCH_UP_S = 150  # from B's start to its caught_up event: start-up, download, the next parameter round
+# Epochs of 2-3 s while A trains alone; once both train, a gradient round over the link (2 MB each way, about 4.5 s)
+# and matchmaking set their pace. The state (6 MB, about 14 s) takes several epochs to download.
+SETTINGS = [
+    *("--target_batch_size", "128", "--matchmaking_time", "2", "--bandwidth", str(LINK_MBIT)),
+    *("--warmup_steps", "0"),
+]
+
+
+@pytest.fixture
+def two_sites():
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces need root and iproute2's `ip` and `tc`")
+    try:
+        with hub_network(2, LINK_MBIT, LINK_MBIT, prefix="catchup", subnet="10.79.0") as network:
+            yield network
+    except NamespacesUnavailable as e:
+        pytest.skip(str(e))
+
+
+def rounds(peer, kind: str) -> list[dict]:
+    return [record for record in peer.events("averaged") if record["kind"] == kind]
+
+
+def test_a_newcomer_slower_to_download_than_an_epoch_catches_up_without_harming_the_swarm(
+    two_sites, tmp_path, sample_data
+):
+    common = ["--experiment_prefix", f"catchup{int(time.time())}", *SETTINGS]
+
+    def peer(site, name, flags):
+        return PeerProcess(
+            [*common, *flags, "--host_maddrs", f"/ip4/{site.address}/tcp/0", "--output_dir", str(tmp_path / name)],
+            tmp_path / f"{name}.log",
+            prefix=("ip", "netns", "exec", site.netns),
+        )
+
+    a_site, b_site = two_sites.peers
+    peers = [peer(a_site, "A", [])]
+    try:
+        join = peers[0].join_flags(timeout=JOIN_S)
+        wait_until(lambda: peers[0].latest_epoch() >= A_EPOCHS_FIRST, 120, f"A to reach epoch {A_EPOCHS_FIRST}")
+        b = peer(b_site, "B", join)
+        peers.append(b)
+        caught_up = b.wait_for_event("caught_up", CATCH_UP_S)
+        wait_until(
+            lambda: any(r["time"] > caught_up["time"] and r["weight"] > 0 for r in rounds(b, "gradients")),
+            60,
+            "B to add its own gradients to a round",
+        )
+        for p in peers:
+            p.process.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in peers]
+    finally:
+        for p in peers:
+            p.stop()
+    assert codes == [0, 0]
+    a = peers[0]
+
+    # the precondition: the state B downloaded was epochs old when it arrived
+    loaded, catching_up = b.events("state_loaded")[0], b.events("catching_up")[0]
+    assert catching_up["global_epoch"] - catching_up["epoch"] >= 2, catching_up
+    assert b.events("started")[0]["epoch"] == catching_up["global_epoch"]
+    assert len(b.events("state_loaded")) == 1, "B loaded the state again instead of catching up"
+    # B averaged nothing before it held the swarm's state, and added nothing of its own until it caught up
+    b_rounds = rounds(b, "gradients") + rounds(b, "parameters")
+    assert min(r["time"] for r in b_rounds) > loaded["time"]
+    assert all(r["weight"] == 0 for r in b_rounds if r["time"] < caught_up["time"])
+    assert not any(r["published"] for r in b.events("epoch") if r["time"] < caught_up["time"])
+    # the round that made B whole moved B to A's parameters and A by no more than fp16 rounding (with B's weight at 1
+    # it would have moved A halfway to B's old parameters); it left nothing out
+    b_catch_up_round = [r for r in rounds(b, "parameters") if r["time"] <= caught_up["time"]][-1]
+    a_same_round = min(rounds(a, "parameters"), key=lambda r: abs(r["time"] - b_catch_up_round["time"]))
+    assert b_catch_up_round["group_size"] == a_same_round["group_size"] == 2
+    assert b_catch_up_round["values_kept_local"] == b_catch_up_round["senders_dropped"] == 0
+    assert a_same_round["update_norm"] < 0.01 * b_catch_up_round["update_norm"], (a_same_round, b_catch_up_round)
+    assert not a.tracebacks_from_our_code() and not b.tracebacks_from_our_code()
