@@ -232,6 +232,8 @@ def list_checkpoints(
             valid.append((folder, _check(folder, verify)))
         except CheckpointError as e:
             invalid.append((folder, str(e)))
+        except FileNotFoundError:
+            continue  # removed while it was read (the monitor rotates old checkpoints away): no longer there
     return valid, invalid
 
 
@@ -242,6 +244,8 @@ def latest_checkpoint(repo_path: str | os.PathLike, verify: Verify = read_manife
             return folder, _check(folder, verify)
         except CheckpointError as e:
             logger.warning("Ignoring a folder that is not a valid checkpoint: %s", e)
+        except FileNotFoundError:
+            continue  # removed while it was read: no longer there
     return None
 
 

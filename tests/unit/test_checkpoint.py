@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from transformers import AutoModelForMaskedLM
 
 from collab.checkpoint import (
     MANIFEST,
+    folder_files,
     latest_checkpoint,
     list_checkpoints,
     load_optimizer_state,
@@ -23,6 +25,7 @@ from collab.checkpoint import (
     remove_partial_saves,
     write_checkpoint,
 )
+from collab.checkpoint import _verify as verify_listed_files
 from collab.errors import CheckpointError
 from tests.conftest import optimizer_state
 
@@ -54,6 +57,25 @@ def test_corrupted_file_is_detected_and_skipped(tmp_path, model):
     valid, invalid = list_checkpoints(tmp_path)
     assert [m.step for _, m in valid] == [1] and [f.name for f, _ in invalid] == ["2"]
     assert latest_checkpoint(tmp_path)[1].step == 1
+
+
+def test_a_checkpoint_removed_while_it_is_read_is_skipped(tmp_path, model):
+    """Another process (the monitor rotating old checkpoints) removes a folder after it was listed, before its files
+    are hashed: it is no longer there, neither valid nor invalid, and no error reaches the reader (a FileNotFoundError
+    once broke the collaboration test's poll)."""
+    write_checkpoint(tmp_path, 1, model, None, optimizer_state(1))
+
+    def rotated_away_midway(folder: Path):
+        files = folder_files(folder)
+        if folder.name == "2":
+            shutil.rmtree(folder)
+        return verify_listed_files(folder, files)
+
+    write_checkpoint(tmp_path, 2, model, None, optimizer_state(2))
+    valid, invalid = list_checkpoints(tmp_path, verify=rotated_away_midway)
+    assert [m.step for _, m in valid] == [1] and invalid == []
+    write_checkpoint(tmp_path, 2, model, None, optimizer_state(2))
+    assert latest_checkpoint(tmp_path, verify=rotated_away_midway)[1].step == 1
 
 
 @pytest.mark.parametrize("damage", ["delete_manifest", "garble_manifest", "delete_file"])
