@@ -545,7 +545,7 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         if self.catching_up_since is None:
             self.catching_up_since = time.monotonic()
         self.state_averager.holds_swarm_state.value = False
-        self.tracker.publish_without_samples = True
+        self.tracker.counts_no_samples = True
         if self.state_averager.allow_state_sharing:
             self.state_averager.allow_state_sharing = False
         logger.warning(
@@ -561,7 +561,7 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         if self.catching_up_since is None or not self.state_averager.holds_swarm_state.value:
             return
         seconds, self.catching_up_since = time.monotonic() - self.catching_up_since, None
-        self.tracker.publish_without_samples = False
+        self.tracker.counts_no_samples = False
         if not self.client_mode and not self.auxiliary:
             self.state_averager.allow_state_sharing = True
         logger.log(self.status_loglevel, f"Caught up with the swarm at epoch {self.local_epoch}")
@@ -579,12 +579,6 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
     def step(self, *args, **kwargs):
         self._finish_catching_up()
         return super().step(*args, **kwargs)
-
-    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
-        valid = super()._check_and_accumulate_gradients(batch_size, grad_scaler)
-        if valid and self.catching_up_since is not None:
-            self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)  # they enter no round yet
-        return valid
 
     def _make_gradient_averager(self, factory, **kwargs):
         return super()._make_gradient_averager(

@@ -218,13 +218,16 @@ _original_progress_reporter = ProgressTracker._progress_reporter
 def tracker_init_with_report_period(self, *args, progress_report_period: float = PROGRESS_REPORT_PERIOD, **kwargs):
     """hivemind's ``ProgressTracker.__init__``, taking ``progress_report_period`` (before its thread starts)."""
     self.progress_report_period, self.report_new_epoch = progress_report_period, threading.Event()
-    self.publish_without_samples = False  # set by an optimizer whose peer catches up (collab.averagers)
+    # set while this peer catches up (collab.averagers): its samples count for nothing, yet it publishes its progress
+    self.counts_no_samples = False
     _original_tracker_init(self, *args, **kwargs)
 
 
 def report_local_progress_waking_on_new_epoch(self, local_epoch: int, samples_accumulated: int, *args, **kwargs):
-    """hivemind's ``report_local_progress``; a new local epoch also ends the reporter's wait."""
+    """hivemind's ``report_local_progress`` (0 samples while ``counts_no_samples``); a new local epoch also ends the
+    reporter's wait."""
     new_epoch = local_epoch != self.local_progress.epoch
+    samples_accumulated = 0 if self.counts_no_samples else samples_accumulated
     _original_report_local_progress(self, local_epoch, samples_accumulated, *args, **kwargs)
     if new_epoch:
         self.report_new_epoch.set()
@@ -254,7 +257,7 @@ async def progress_reporter_spaced(self) -> None:
 
             local_progress = self.local_progress
             last_report_time = get_dht_time()
-            if local_progress.samples_accumulated > 0 or self.publish_without_samples:
+            if local_progress.samples_accumulated > 0 or self.counts_no_samples:
                 last_report_epoch = self.global_epoch
             # as hivemind: only peers that are in sync and active; a peer catching up counts no samples, yet the
             # others must see it, or they average with no one and it never gets the parameter round it waits for
