@@ -164,3 +164,10 @@ def test_a_finite_gradient_averager_refuses_a_plain_hivemind_liar():
         finally:
             honest.shutdown()
             liar.shutdown()
+
+
+def test_the_update_norm_counts_non_finite_averages_as_kept_local():
+    from collab.averaging_events import update_norm
+
+    assert update_norm(torch.tensor([3.0, 4.0], dtype=torch.float16)) == 5.0
+    assert update_norm(torch.tensor([3.0, float("inf"), 4.0, float("nan")])) == 5.0
