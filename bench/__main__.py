@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from bench import wan
 from bench.formulas import paper_scaling, summary_json
+from bench.gpu import GPU_MODES
 from bench.procs import ROOT
 from bench.training import VARIANTS
 
@@ -80,7 +81,13 @@ def main(argv=None) -> int:
     started = time.monotonic()
     figures: dict = {}
     wan_plan = wan.QUICK if args.quick else wan.FULL
-    ticks = {"training": 3 + len(plan["targets"]) + len(VARIANTS), "link": 2, "records": 2, "scaling": 1, "gpu": 3}
+    ticks = {
+        "training": 3 + len(plan["targets"]) + len(VARIANTS),
+        "link": 2,
+        "records": 2,
+        "scaling": 1,
+        "gpu": 3 + len(GPU_MODES),
+    }
     ticks["wan"] = wan.progress_ticks(wan_plan)
     with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:
 

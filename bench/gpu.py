@@ -4,16 +4,33 @@ CUDA) against plain Hugging Face AMP loops on the same GPU.
 Both sides share one GPU two ways at once, as item 1 shares the CPU: two plain loops side by side before and after
 two peers. target_batch_size is sized from the plain loops so that an epoch lasts about as long as the CPU default's
 (``GPU_EPOCH_SECONDS``): at 1024 samples a GPU would finish an epoch in a fraction of matchmaking_time.
+
+Then ``GPU_MODES``: the same two peers in each precision and mode, on the default model and on a BERT-base shape
+(about 90M parameters, from scratch), side by side in one run: per-peer samples/s, for the README's choice of mode.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bench.formulas import epoch_target_batch_size
 from bench.training import PAIR, against_plain, collab_pair, plain_pair, plain_seconds
+from bench.wan import lowcomm_flags
 
 GPU_EPOCH_SECONDS = 9.0  # about an epoch of the CPU default on 2 cores, so both spend a like share averaging
+BERT_BASE_SHAPE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
+BASE_TARGET_BATCH_SIZE = 2048
+BASE_MICRO_BATCH = 32
+MODES_LOCAL_STEPS = 4
+
+# (setting, model, flags): "tiny" is the default model at item 7's target (item 7 is its fp16 sync row); "base" the
+# BERT-base shape, where the modes compare.
+GPU_MODES = [
+    ("tiny bf16 sync", "tiny", ["--bf16"]),
+    ("base bf16 sync", "base", ["--bf16"]),
+    ("base bf16 lowcomm H=4 8bit", "base", ["--bf16", *lowcomm_flags(MODES_LOCAL_STEPS, "8bit")]),
+]
 
 
 def cuda_device_name() -> str | None:
@@ -42,7 +59,9 @@ def gpu_efficiency(seconds: float, log_dir: Path, progress, device: str = "cuda"
     progress("GPU plain loops")
     run = against_plain(run, before, after)
     collab = run["samples_per_second"]
+    modes = gpu_modes(seconds, log_dir, progress, target)
     return {
+        "modes": modes,
         "device": name,
         "target_batch_size": target,
         "per_peer_samples_per_second": collab and collab / PAIR,
@@ -51,3 +70,54 @@ def gpu_efficiency(seconds: float, log_dir: Path, progress, device: str = "cuda"
         "averaging_rounds": run["averaging_rounds"],
         "window_s": run["window_s"],
     }
+
+
+def base_model_folder(log_dir: Path) -> Path:
+    """A folder holding only a BERT-base-shaped config for the sample tokenizer: the trainer builds it from scratch."""
+    from arguments import DatasetArguments
+    from trainer.model import load_tokenizer, tiny_bert_config
+
+    folder = log_dir / "bert_base_config"
+    tokenizer = load_tokenizer(DatasetArguments())
+    tiny_bert_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id or 0, **BERT_BASE_SHAPE).save_pretrained(
+        folder
+    )
+    return folder
+
+
+def gpu_modes(seconds: float, log_dir: Path, progress, tiny_target: int) -> list[dict]:
+    """Per-peer samples/s of two peers on the GPU in each of ``GPU_MODES``; each row also lands in
+    ``log_dir/gpu_modes.jsonl`` as it is measured, and a setting that fails is a row with its error."""
+    base = base_model_folder(log_dir)
+    sink = log_dir / "gpu_modes.jsonl"
+    rows = []
+    for setting, model, flags in GPU_MODES:
+        model_flags = (
+            ["--target_batch_size", tiny_target]
+            if model == "tiny"
+            else [
+                "--model_name_or_path",
+                base,
+                "--target_batch_size",
+                BASE_TARGET_BATCH_SIZE,
+                "--per_device_train_batch_size",
+                BASE_MICRO_BATCH,
+            ]
+        )
+        name = "gpu_" + setting.replace(" ", "_").replace("=", "")
+        try:
+            run = collab_pair(name, [*model_flags, *flags], log_dir, seconds=seconds)
+            collab = run["samples_per_second"]
+            row = {
+                "setting": setting,
+                "per_peer_samples_per_second": collab and collab / PAIR,
+                "averaging_rounds": run["averaging_rounds"],
+                "window_s": run["window_s"],
+            }
+        except Exception as e:  # one failed setting still leaves the others' figures
+            row = {"setting": setting, "error": f"{type(e).__name__}: {e}"[:500]}
+        rows.append(row)
+        with sink.open("a") as out:
+            out.write(json.dumps(row) + "\n")
+        progress(f"GPU {setting}")
+    return rows

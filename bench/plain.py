@@ -22,11 +22,13 @@ from trainer.loop import amp_context, flush_denormals
 from trainer.model import build_model, load_tokenizer
 
 
-def setup(seed: int, pin_memory: bool = False):
+def setup(seed: int, device: str = "cpu"):
+    """The default model on ``device``, Lamb over it (its state made where the parameters are) and the batches."""
     flush_denormals()  # as the trainer does: both sides compute alike
     dataset_args, training_args = DatasetArguments(), TrainingArguments()
     tokenizer = load_tokenizer(dataset_args)
     model, task = build_model(dataset_args, tokenizer, training_args.seed)
+    model.to(device)
     optimizer = lamb_factory(training_args)(parameter_groups(model, training_args.weight_decay))
     batches = batch_stream(
         load_train_split(dataset_args.dataset_path),
@@ -34,7 +36,7 @@ def setup(seed: int, pin_memory: bool = False):
         training_args.per_device_train_batch_size,
         seed,
         task,
-        pin_memory=pin_memory,
+        pin_memory=torch.device(device).type == "cuda",  # as the trainer and HF's Trainer do
     )
     return model, task, tokenizer, optimizer, batches, training_args
 
@@ -54,9 +56,8 @@ def backward(model, batch, max_grad_norm: float, scaler: torch.amp.GradScaler | 
 
 def throughput(seconds: float, seed: int, device: str = "cpu", fp16: bool = False) -> dict:
     """Samples/s of micro-batch training with a Lamb step after each, after a short warm-up."""
-    on_gpu = torch.device(device).type == "cuda"
-    model, _, _, optimizer, batches, args = setup(seed, pin_memory=on_gpu)  # as the trainer and HF's Trainer do
-    model.to(device).train()
+    model, _, _, optimizer, batches, args = setup(seed, device)
+    model.train()
     scaler = torch.amp.GradScaler(torch.device(device).type) if fp16 else None
     samples, start = 0, None
     for step in range(10**9):

@@ -181,8 +181,20 @@ def gpu_section(gpu: dict | None) -> str:
                     ],
                 ],
             ),
+            "Each precision and mode, two peers on the same GPU (base: BERT-base shape, about 90M parameters, "
+            "from scratch; lowcomm: `--local_steps 4 --pseudo_grad_compression 8bit`):",
+            table(
+                ["setting", "samples/s per peer", "steady window (s)", "rounds"],
+                [_gpu_mode_row(row) for row in gpu.get("modes", [])],
+            ),
         ]
     )
+
+
+def _gpu_mode_row(row: dict) -> list:
+    if "error" in row:
+        return [row["setting"], f"failed: {row['error']}", "", ""]
+    return [row["setting"], row["per_peer_samples_per_second"], row["window_s"], _rounds(row)]
 
 
 def link_section(link: dict) -> str:

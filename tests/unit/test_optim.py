@@ -220,3 +220,35 @@ def test_lamb_state_keeps_one_layout_when_a_gradient_is_zero():
 
     assert not torch.is_tensor(stepped(Lamb)[1])
     assert all(torch.is_tensor(ratio) for ratio in stepped(SameLayoutLamb))
+
+
+@pytest.mark.parametrize(
+    "options", [{"debias": True}, {"debias": False}, {"adam": True}, {"debias": True, "clamp_value": 0.5}]
+)
+def test_lamb_steps_as_torch_optimizer_lamb_does(options):
+    # SameLayoutLamb steps every tensor at once; torch_optimizer's Lamb, one by one, is the reference. Two groups
+    # (weight decay or none), a gradient of zeros (trust ratio 1) and a tensor that misses a step (its own count).
+    def fresh():
+        generator = torch.Generator().manual_seed(1)
+        params = [
+            torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in [(5, 7), (7,), (3,), (11, 2)]
+        ]
+        return params, [{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "weight_decay": 0.0}]
+
+    (reference, reference_groups), (ours, our_groups) = fresh(), fresh()
+    reference_lamb, our_lamb = Lamb(reference_groups, lr=0.1, **options), SameLayoutLamb(our_groups, lr=0.1, **options)
+    for step in range(6):
+        generator = torch.Generator().manual_seed(step)
+        for index, (theirs, mine) in enumerate(zip(reference, ours, strict=True)):
+            if step == 1 and index == 3:
+                theirs.grad = mine.grad = None
+                continue
+            grad = torch.randn(theirs.shape, generator=generator) * (0 if step == 0 and index == 2 else 1)
+            theirs.grad, mine.grad = grad.clone(), grad.clone()
+        reference_lamb.step()
+        our_lamb.step()
+    for theirs, mine, initial in zip(reference, ours, fresh()[0], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(mine, initial)
+    assert [our_lamb.state[param]["step"] for param in ours] == [6, 6, 6, 5]
+    assert float(our_lamb.state[ours[2]]["trust_ratio"]) != 1.0  # recomputed after the zero gradient of step 0

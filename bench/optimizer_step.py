@@ -1,0 +1,71 @@
+"""``python -m bench.optimizer_step [--device cuda] [--threads N]``: milliseconds per Lamb step, torch_optimizer's
+per-tensor loop against the project's ``SameLayoutLamb`` (every tensor at once), side by side on the default model
+and on a BERT-base shape (``bench.gpu.BERT_BASE_SHAPE``). Prints one JSON line per model.
+
+The low-communication mode steps Lamb after every mini-batch, on the training device; the synchronous mode once
+per global epoch, on the CPU (offloaded). Both pay this step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch_optimizer import Lamb
+from transformers import AutoModelForMaskedLM
+
+from bench.gpu import BERT_BASE_SHAPE
+from collab.optim import SameLayoutLamb, parameter_groups
+from trainer.model import tiny_bert_config
+
+VOCABULARY = 4096  # the sample tokenizer's
+MODELS = {"tiny": ({}, 20), "base": (BERT_BASE_SHAPE, 5)}  # shape, timed steps
+
+
+def seconds_per_step(optimizer_class, shape: dict, steps: int, device: str) -> float:
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(VOCABULARY, **shape)).to(device)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param) * 1e-3
+    optimizer = optimizer_class(parameter_groups(model, 0.01), lr=1e-3, debias=True)
+    optimizer.step()  # creates the state: not timed
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.step()
+    _synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.optimizer_step", description=__doc__)
+    parser.add_argument("--device", default="cpu", help="where the parameters live (cpu, cuda)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (the trainer's offloaded Lamb: 1)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    for name, (shape, steps) in MODELS.items():
+        loop, at_once = (seconds_per_step(cls, shape, steps, args.device) for cls in (Lamb, SameLayoutLamb))
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
+                    "threads": args.threads,
+                    "lamb_loop_ms": round(loop * 1000, 2),
+                    "lamb_at_once_ms": round(at_once * 1000, 2),
+                    "speedup": round(loop / at_once, 2),
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
