@@ -27,8 +27,11 @@ data: $(STAMP)
 demo: setup
 	$(PY) -m trainer.demo
 
+# Unit and browser tests in two processes (each file whole on one, so its module fixtures are built once); the
+# integration tests alone after them: each runs several real peers that need the cores to keep their timing.
 test: setup browser
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/unit tests/web
+	$(PY) -m pytest -q -p no:cacheprovider tests/integration
 
 # The browser tests drive Debian's Chromium through Playwright (never `playwright install`, which downloads one).
 browser:
