@@ -548,8 +548,8 @@ class TrainingArguments:
 
 
 @dataclass
-class MonitorArguments:
-    """The monitor: how it reports the collaboration's metrics and keeps its checkpoints."""
+class MetricsArguments:
+    """The monitor's view of the swarm: how often it reads the peers' metrics, and where it reports them."""
 
     refresh_period: float = field(
         default=10.0, metadata={"help": "Seconds between two reads of the peers' metrics from the DHT"}
@@ -582,6 +582,18 @@ class MonitorArguments:
             "(http://HOST:8000/api/experiments/ID/metrics); unset: not reported"
         },
     )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "refresh_period")
+        _require_non_negative(self, "alive_step_lag")
+        if self.report_url is not None and not self.report_url.startswith(("http://", "https://")):
+            _fail("report_url", f"must be an http(s):// URL (got {self.report_url!r})")
+
+
+@dataclass
+class CheckpointArguments:
+    """The monitor's checkpoints: the swarm's state saved every few global epochs, and uploaded from there."""
+
     store_checkpoints: bool = field(
         default=False,
         metadata={"help": "Download the collaboration's state from peers and save checkpoints under repo_path"},
@@ -606,6 +618,23 @@ class MonitorArguments:
             "or hf://owner/repo on the Hugging Face Hub"
         },
     )
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "save_checkpoint_step_interval", "keep_checkpoints")
+        if self.upload_interval is not None:
+            _require_positive(self, "upload_interval")
+            if not self.upload_to:
+                _fail("upload_interval", "needs --upload_to (a folder, an http(s):// URL or hf://owner/repo)")
+            if not self.store_checkpoints:
+                _fail("upload_interval", "needs --store_checkpoints: only saved checkpoints are uploaded")
+        if self.upload_to and self.upload_to.startswith("hf://") and self.upload_to.count("/") != 3:
+            _fail("upload_to", f"write a Hub repository as hf://owner/repo (got {self.upload_to!r})")
+
+
+@dataclass
+class EvaluationArguments:
+    """The monitor's evaluation of its checkpoints on the validation split (--validation_path)."""
+
     eval_every_checkpoints: int = field(
         default=1,
         metadata={"help": "Evaluate every this many saved checkpoints on --validation_path (checkpoints); 0: never"},
@@ -616,19 +645,8 @@ class MonitorArguments:
     )
 
     def __post_init__(self) -> None:
-        _require_positive(self, "refresh_period", "save_checkpoint_step_interval", "keep_checkpoints")
         _require_positive(self, "eval_max_examples")
-        _require_non_negative(self, "eval_every_checkpoints", "alive_step_lag")
-        if self.upload_interval is not None:
-            _require_positive(self, "upload_interval")
-            if not self.upload_to:
-                _fail("upload_interval", "needs --upload_to (a folder, an http(s):// URL or hf://owner/repo)")
-            if not self.store_checkpoints:
-                _fail("upload_interval", "needs --store_checkpoints: only saved checkpoints are uploaded")
-        if self.report_url is not None and not self.report_url.startswith(("http://", "https://")):
-            _fail("report_url", f"must be an http(s):// URL (got {self.report_url!r})")
-        if self.upload_to and self.upload_to.startswith("hf://") and self.upload_to.count("/") != 3:
-            _fail("upload_to", f"write a Hub repository as hf://owner/repo (got {self.upload_to!r})")
+        _require_non_negative(self, "eval_every_checkpoints")
 
 
 @dataclass
@@ -653,7 +671,9 @@ class MonitorConfig:
     averager: AveragerArguments
     dataset: DatasetArguments
     training: TrainingArguments
-    monitor: MonitorArguments
+    metrics: MetricsArguments
+    checkpoints: CheckpointArguments
+    evaluation: EvaluationArguments
 
 
 def argument_groups(config_type: type) -> tuple[type, ...]:

@@ -136,7 +136,7 @@ def shaped_link_bench(sizes: list[int], rounds: int, bandwidth_mbit: float, log_
 def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, repeats: int = 5) -> float | None:
     """Median time of one ``monitor.run.refresh`` (read the metrics key, aggregate) from a new DHT node."""
 
-    from arguments import MonitorArguments
+    from arguments import MetricsArguments
     from monitor.run import MonitorState, refresh
 
     validators, _ = make_validators(prefix)
@@ -146,7 +146,7 @@ def monitor_refresh_ms(initial_peers: list[str], prefix: str, expected: int, rep
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            refresh(reader, prefix, MonitorState(), sinks=[], saver=None, step_lag=MonitorArguments.alive_step_lag)
+            refresh(reader, prefix, MonitorState(), sinks=[], saver=None, step_lag=MetricsArguments.alive_step_lag)
             times.append(1000 * (time.perf_counter() - started))
         return median(times)
     finally:

@@ -102,7 +102,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils import asyncio as hivemind_asyncio
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
-from arguments import MonitorArguments, ProgressTrackerArguments
+from arguments import MetricsArguments, ProgressTrackerArguments
 from collab import events
 from collab.schema import honest_step
 
@@ -505,7 +505,7 @@ class FixedDHT(hivemind.DHT):
 
 # A peer's progress record, or a downloaded state, may claim at most this many global epochs past the swarm's
 # honest epoch: peers in sync are at most this far apart (the monitor's alive_step_lag).
-EPOCH_LEAD_LIMIT = MonitorArguments.alive_step_lag
+EPOCH_LEAD_LIMIT = MetricsArguments.alive_step_lag
 
 
 def progress_key(run_id: str) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from arguments import MonitorArguments
+from arguments import MetricsArguments
 from collab.schema import LocalMetrics, honest_step, parse_metrics, peer_fingerprint
 
 # Peers in each report (the most samples first) and peers remembered (the most recently seen): a swarm with churn,
@@ -53,7 +53,7 @@ def far_ahead(alive: Mapping[Any, LocalMetrics], step: int) -> list[Any]:
 
 
 def aggregate(
-    records: Mapping[Any, tuple[Any, float]], now: float, step_lag: int = MonitorArguments.alive_step_lag
+    records: Mapping[Any, tuple[Any, float]], now: float, step_lag: int = MetricsArguments.alive_step_lag
 ) -> SwarmMetrics | None:
     """Σ loss / Σ mini_steps, alive peers, samples and samples/s over live records; None when there are none.
 

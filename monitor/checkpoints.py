@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from arguments import MonitorArguments
+from arguments import MetricsArguments
 from collab import events
 from collab.checkpoint import (
     VerifiedCheckpoints,
@@ -86,7 +86,7 @@ class CheckpointSaver:
         self.repo_path, self.interval, self.keep = Path(repo_path), interval, keep
         self.load_timeout, self.retry_period = load_timeout, retry_period
         if epoch_tolerance is None:
-            epoch_tolerance = default_epoch_tolerance(MonitorArguments.alive_step_lag, load_timeout)
+            epoch_tolerance = default_epoch_tolerance(MetricsArguments.alive_step_lag, load_timeout)
         self.epoch_tolerance = epoch_tolerance
         self._next_try = 0.0
         self.evaluator = evaluator  # monitor.evaluate.CheckpointEvaluator, or None: never evaluate

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
 
-from arguments import SECRET_SETTINGS, MonitorArguments, MonitorConfig, to_config
+from arguments import SECRET_SETTINGS, MetricsArguments, MonitorConfig, to_config
 from collab import events
 from collab.dht import joined_fields, start_dht
 from collab.extras import require_extra
@@ -45,7 +45,7 @@ class MonitorState:
     contributions: dict = field(default_factory=dict)  # by peer: monitor.aggregate.Contribution
     # how far the last step reported may be past the swarm's before it is taken for a liar's: the swarm's step dips
     # by a few epochs when records of dead peers drag the median down, and reporting must not go back then
-    step_tolerance: int = default_epoch_tolerance(MonitorArguments.alive_step_lag, LOAD_STATE_TIMEOUT_FLOOR)
+    step_tolerance: int = default_epoch_tolerance(MetricsArguments.alive_step_lag, LOAD_STATE_TIMEOUT_FLOOR)
 
 
 def is_new_step(step: int, last_step: int | None) -> bool:
@@ -123,9 +123,9 @@ def build_checkpointing(dht, config: MonitorConfig):
     tokenizer = load_tokenizer(config.dataset)
     model, _ = build_model(config.dataset, tokenizer, config.training.seed)
     evaluator = None
-    if config.monitor.eval_every_checkpoints > 0:
+    if config.evaluation.eval_every_checkpoints > 0:
         task = TASKS[config.dataset.task]
-        every, limit = config.monitor.eval_every_checkpoints, config.monitor.eval_max_examples
+        every, limit = config.evaluation.eval_every_checkpoints, config.evaluation.eval_max_examples
         evaluator = CheckpointEvaluator(task, config.dataset, tokenizer, every, limit)
     # the trainers' own timeouts, from the same model
     timeouts = collaboration_timeouts(model, config.optimizer, config.averager)
@@ -136,13 +136,13 @@ def build_checkpointing(dht, config: MonitorConfig):
         averager,
         model,
         tokenizer,
-        config.monitor.repo_path,
-        config.monitor.save_checkpoint_step_interval,
-        config.monitor.keep_checkpoints,
+        config.checkpoints.repo_path,
+        config.checkpoints.save_checkpoint_step_interval,
+        config.checkpoints.keep_checkpoints,
         timeouts.load_state_timeout,
-        retry_period=config.monitor.refresh_period,
+        retry_period=config.metrics.refresh_period,
         evaluator=evaluator,
-        epoch_tolerance=default_epoch_tolerance(config.monitor.alive_step_lag, timeouts.load_state_timeout),
+        epoch_tolerance=default_epoch_tolerance(config.metrics.alive_step_lag, timeouts.load_state_timeout),
     )
     return averager, saver
 
@@ -152,19 +152,19 @@ def run_monitor(config: MonitorConfig, stop: threading.Event) -> MonitorState:
     events.open_event_log(config.peer.events_path)
     token = config.peer.web_token
     validators, _ = make_validators(config.peer.experiment_prefix)
-    if config.monitor.wandb_project is not None:
+    if config.metrics.wandb_project is not None:
         require_extra("wandb", "--wandb_project")  # before the DHT starts: a missing extra is one line, nothing else
     dht = start_dht(config.peer, validators, client_mode=False)
     events.emit("joined", **joined_fields(dht, False))
     experiment_config = to_config(*vars(config).values())
     for secret in SECRET_SETTINGS:
         experiment_config.pop(secret, None)
-    sinks = build_sinks(config.monitor, config.peer.experiment_prefix, token, experiment_config)
+    sinks = build_sinks(config.metrics, config.peer.experiment_prefix, token, experiment_config)
     averager = saver = uploader = None
     state = MonitorState(
-        last_step=last_step_in(config.monitor.metrics_path),
+        last_step=last_step_in(config.metrics.metrics_path),
         step_tolerance=default_epoch_tolerance(
-            config.monitor.alive_step_lag, config.optimizer.load_state_timeout or LOAD_STATE_TIMEOUT_FLOOR
+            config.metrics.alive_step_lag, config.optimizer.load_state_timeout or LOAD_STATE_TIMEOUT_FLOOR
         ),
     )
     if state.last_step is not None and not config.peer.initial_peers:
@@ -173,19 +173,19 @@ def run_monitor(config: MonitorConfig, stop: threading.Event) -> MonitorState:
             "is still running, restart with --initial_peers of any live peer (every trainer logs its own address)"
         )
     try:
-        if config.monitor.store_checkpoints:
+        if config.checkpoints.store_checkpoints:
             averager, saver = build_checkpointing(dht, config)
             state.step_tolerance = saver.epoch_tolerance  # with the load timeout derived from the model
-        if config.monitor.upload_interval is not None:
-            target = make_target(config.monitor.upload_to, token, config.monitor.keep_checkpoints)
-            uploader = Uploader(config.monitor.repo_path, target, config.monitor.upload_interval).start()
-        logger.info("Monitoring %s every %.0f s", config.peer.experiment_prefix, config.monitor.refresh_period)
+        if config.checkpoints.upload_interval is not None:
+            target = make_target(config.checkpoints.upload_to, token, config.checkpoints.keep_checkpoints)
+            uploader = Uploader(config.checkpoints.repo_path, target, config.checkpoints.upload_interval).start()
+        logger.info("Monitoring %s every %.0f s", config.peer.experiment_prefix, config.metrics.refresh_period)
         while not stop.is_set():
             try:
-                refresh(dht, config.peer.experiment_prefix, state, sinks, saver, config.monitor.alive_step_lag)
+                refresh(dht, config.peer.experiment_prefix, state, sinks, saver, config.metrics.alive_step_lag)
             except Exception:
-                logger.exception("Refresh failed; trying again in %.0f s", config.monitor.refresh_period)
-            stop.wait(config.monitor.refresh_period)
+                logger.exception("Refresh failed; trying again in %.0f s", config.metrics.refresh_period)
+            stop.wait(config.metrics.refresh_period)
     finally:
         for closeable in filter(None, (uploader, *sinks)):
             closeable.close()

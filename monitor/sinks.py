@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from arguments import MonitorArguments
+from arguments import MetricsArguments
 from collab.extras import require_extra
 from collab.wire import bearer_header, json_safe
 from monitor.aggregate import format_line
@@ -148,15 +148,15 @@ class HttpReportSink:
         self._thread.join(timeout)
 
 
-def build_sinks(monitor_args: MonitorArguments, run_name: str, token: str | None, config: Mapping) -> list[Sink]:
+def build_sinks(metrics_args: MetricsArguments, run_name: str, token: str | None, config: Mapping) -> list[Sink]:
     """The sinks these settings ask for; the console always."""
     sinks: list[Sink] = [ConsoleSink()]
-    if monitor_args.metrics_path:
-        sinks.append(JsonLinesSink(monitor_args.metrics_path))
-    if monitor_args.wandb_project:
-        sinks.append(WandbSink(monitor_args.wandb_project, monitor_args.wandb_run_name or run_name, config))
-    if monitor_args.report_url:
-        sinks.append(HttpReportSink(monitor_args.report_url, token))
+    if metrics_args.metrics_path:
+        sinks.append(JsonLinesSink(metrics_args.metrics_path))
+    if metrics_args.wandb_project:
+        sinks.append(WandbSink(metrics_args.wandb_project, metrics_args.wandb_run_name or run_name, config))
+    if metrics_args.report_url:
+        sinks.append(HttpReportSink(metrics_args.report_url, token))
     return sinks
 
 

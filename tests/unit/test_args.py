@@ -138,10 +138,10 @@ def test_help_lists_flags_with_units():
 
 
 def test_monitor_flags_are_checked_and_named():
-    from arguments import MONITOR_ARGUMENTS, MonitorArguments
+    from arguments import MONITOR_ARGUMENTS, MetricsArguments
 
     parsed = parse_args(MONITOR_ARGUMENTS, ["--alive_step_lag", "5"])
-    monitor = next(a for a in parsed if isinstance(a, MonitorArguments))
+    monitor = next(a for a in parsed if isinstance(a, MetricsArguments))
     assert monitor.alive_step_lag == 5
     for argv, flag in [
         (["--alive_step_lag", "-1"], "--alive_step_lag"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from arguments import MonitorArguments
+from arguments import MetricsArguments
 from collab.errors import MissingExtraError, SetupError
 from collab.extras import EXTRA_MODULES, require_extra
 from monitor.sinks import build_sinks
@@ -38,7 +38,7 @@ def test_web_app_without_the_web_extra_exits_2_with_one_line():
 def test_wandb_project_without_wandb_is_a_setup_error_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(MissingExtraError) as raised:
-        build_sinks(MonitorArguments(wandb_project="p"), "run", None, {})
+        build_sinks(MetricsArguments(wandb_project="p"), "run", None, {})
     assert str(raised.value) == "--wandb_project needs the 'wandb' extra: pip install 'collab-train[wandb]'"
     assert isinstance(raised.value, SetupError)  # run_program prints it as one line and returns 2
 

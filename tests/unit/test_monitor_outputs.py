@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM
 
-from arguments import MonitorArguments
+from arguments import MetricsArguments
 from collab.checkpoint import read_manifest, write_checkpoint
 from monitor.checkpoints import is_due
 from monitor.run import is_new_step
@@ -62,9 +62,9 @@ def test_a_restarted_monitor_goes_on_after_the_last_complete_line(tmp_path):
 
 
 def test_sinks_are_chosen_once_from_the_settings(tmp_path):
-    names = [type(s).__name__ for s in build_sinks(MonitorArguments(), "run", None, {})]
+    names = [type(s).__name__ for s in build_sinks(MetricsArguments(), "run", None, {})]
     assert names == ["ConsoleSink"]
-    args = MonitorArguments(metrics_path=str(tmp_path / "m.jsonl"), report_url="http://127.0.0.1:1/x")
+    args = MetricsArguments(metrics_path=str(tmp_path / "m.jsonl"), report_url="http://127.0.0.1:1/x")
     sinks = build_sinks(args, "run", "tok", {})
     assert [type(s).__name__ for s in sinks] == ["ConsoleSink", "JsonLinesSink", "HttpReportSink"]
     for sink in sinks:
@@ -184,7 +184,7 @@ def test_wandb_offline_run_holds_the_logged_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    args = MonitorArguments(wandb_project="collab-test", wandb_run_name="offline-check")
+    args = MetricsArguments(wandb_project="collab-test", wandb_run_name="offline-check")
     [_, sink] = build_sinks(args, "run", None, {"target_batch_size": 128})
     for step in (1, 2, 3):
         sink.write({**STEP, "step": step, "loss": 5.0 - step})

@@ -39,7 +39,8 @@ def test_admin_pages_redirect_to_sign_in(client, experiment):
 def test_form_has_one_fieldset_per_dataclass_with_defaults(client):
     sign_in(client)
     page = client.get("/experiments/new").text
-    assert page.count("<fieldset") == 8
+    assert page.count("<fieldset") == 10  # 7 groups of the peer, and the monitor's metrics, checkpoints, evaluation
+    assert "<legend>Checkpoint</legend>" in page
     assert f'id="target_batch_size" name="target_batch_size" value="{OptimizerArguments.target_batch_size}"' in page
     assert re.search(r'<textarea id="host_maddrs"[^>]*>/ip4/127.0.0.1/tcp/0</textarea>', page)
     assert re.search(r'type="checkbox" id="offload_optimizer" name="offload_optimizer" value="true" checked', page)
