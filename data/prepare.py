@@ -14,7 +14,6 @@ columns input_ids, attention_mask, special_tokens_mask), validation.txt, prepare
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import json
@@ -24,10 +23,11 @@ import platform
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from collab.errors import PrepareError
+from collab.errors import ConfigError, PrepareError
 from collab.storage import atomic_directory
 
 if TYPE_CHECKING:
@@ -228,6 +228,36 @@ def _source_options(text_files, dataset_name, dataset_config, text_column) -> di
     return {"kind": "stdlib_docstrings", "python": platform.python_version(), "root": sysconfig.get_paths()["stdlib"]}
 
 
+@dataclass
+class PrepareArguments:
+    """``python -m data.prepare``'s settings (parsed by arguments.parse_args, as the programs' are)."""
+
+    output_dir: str = field(default="data/sample", metadata={"help": "Where to write"})
+    text_files: list[str] | None = field(
+        default=None, metadata={"help": "UTF-8 text files, one document per non-empty line"}
+    )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "datasets.load_dataset name (needs network); uses its train split"}
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Dataset config name, e.g. wikitext-103-raw-v1"}
+    )
+    text_column: str = field(default="text", metadata={"help": "Text column of --dataset_name"})
+    tokenizer_path: str | None = field(
+        default=None, metadata={"help": "Existing tokenizer folder or Hub name instead of training one"}
+    )
+    vocab_size: int = field(default=4096, metadata={"help": "Size of the trained tokenizer (tokens)"})
+    max_seq_length: int = field(default=128, metadata={"help": "Tokens per block"})
+    validation_fraction: float = field(default=0.02, metadata={"help": "Share of documents held out"})
+    max_documents: int | None = field(
+        default=None,
+        metadata={
+            "help": f"Keep the first N documents (unset: {STDLIB_MAX_DOCUMENTS} for the stdlib sample, all others)"
+        },
+    )
+    force: bool = field(default=False, metadata={"help": "Rebuild even if the output is up to date"})
+
+
 def check_options(output_dir, text_files, dataset_name, vocab_size, max_seq_length, fraction, max_documents) -> None:
     """Raise PrepareError for bad options before anything is read or written."""
     if max_seq_length < 8:
@@ -260,16 +290,16 @@ def is_up_to_date(output_dir: str | os.PathLike, options: dict) -> bool:
 
 
 def build(
-    output_dir="data/sample",
+    output_dir=PrepareArguments.output_dir,
     *,
     text_files=None,
     dataset_name=None,
     dataset_config=None,
-    text_column="text",
+    text_column=PrepareArguments.text_column,
     tokenizer_path=None,
-    vocab_size=4096,
-    max_seq_length=128,
-    validation_fraction=0.02,
+    vocab_size=PrepareArguments.vocab_size,
+    max_seq_length=PrepareArguments.max_seq_length,
+    validation_fraction=PrepareArguments.validation_fraction,
     max_documents=None,
     force=False,
 ) -> tuple[dict, bool]:
@@ -343,32 +373,16 @@ def build(
     return info, True
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 built or up to date, 2 bad input)."""
-    p = _OneLineErrorParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--output_dir", default="data/sample", help="where to write (default: %(default)s)")
-    p.add_argument("--text_files", nargs="+", help="UTF-8 text files, one document per non-empty line")
-    p.add_argument("--dataset_name", help="datasets.load_dataset name (needs network); uses its train split")
-    p.add_argument("--dataset_config", help="dataset config name, e.g. wikitext-103-raw-v1")
-    p.add_argument("--text_column", default="text", help="text column of --dataset_name (default: %(default)s)")
-    p.add_argument("--tokenizer_path", help="existing tokenizer dir or Hub name instead of training one")
-    p.add_argument("--vocab_size", type=int, default=4096, help="trained tokenizer size (default: %(default)s)")
-    p.add_argument("--max_seq_length", type=int, default=128, help="tokens per block (default: %(default)s)")
-    p.add_argument("--validation_fraction", type=float, default=0.02, help="held-out share (default: %(default)s)")
-    p.add_argument(
-        "--max_documents",
-        type=int,
-        help=f"keep the first N documents (default: {STDLIB_MAX_DOCUMENTS} for the stdlib sample, all otherwise)",
-    )
-    p.add_argument("--force", action="store_true", help="rebuild even if the output is up to date")
+    from arguments import parse_args
+
     try:
-        args = p.parse_args(argv)
-    except SystemExit as e:  # --help or a malformed option (already reported on one line)
+        (args,) = parse_args([PrepareArguments], argv, prog="python -m data.prepare")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
         return int(e.code or 0)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,6 @@ Rows are a pure function of the docstrings (sorted files, fixed order): the same
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import itertools
@@ -29,8 +28,10 @@ import re
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from collab.errors import ConfigError
 from data.prepare import iter_stdlib_docstrings
 
 BOOLQ_QUESTION = "is the passage python code?"
@@ -135,17 +136,30 @@ def build(output_dir: str | Path, train: int = 2000, validation: int = 200) -> d
     }
 
 
+@dataclass
+class TaskDataArguments:
+    """``python -m data.tasks``'s settings (parsed by arguments.parse_args, as the programs' are)."""
+
+    output_dir: str = field(default="data/tasks", metadata={"help": "Folder for boolq/ and squad/"})
+    train_examples: int = field(default=2000, metadata={"help": "Training rows per dataset"})
+    validation_examples: int = field(default=200, metadata={"help": "Validation rows per dataset"})
+
+    def __post_init__(self) -> None:
+        for name in ("train_examples", "validation_examples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name}: must be at least 1 (got {getattr(self, name)})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data.tasks", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--output_dir", default="data/tasks", help="Folder for boolq/ and squad/ (default: data/tasks)"
-    )
-    parser.add_argument("--train_examples", type=int, default=2000, help="Training rows per dataset (default: 2000)")
-    parser.add_argument("--validation_examples", type=int, default=200, help="Validation rows per dataset")
-    args = parser.parse_args(argv)
-    if args.train_examples < 1 or args.validation_examples < 1:
-        print("python -m data.tasks: error: --train_examples and --validation_examples must be >= 1", file=sys.stderr)
+    from arguments import parse_args
+
+    try:
+        (args,) = parse_args([TaskDataArguments], argv, prog="python -m data.tasks")
+    except ConfigError as e:
+        print(f"python -m data.tasks: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
     for name, path in build(args.output_dir, args.train_examples, args.validation_examples).items():
         print(f"{name}: {sum(1 for _ in open(path))} rows in {path}")
     return 0
