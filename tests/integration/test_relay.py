@@ -10,16 +10,14 @@ Reachability). Skipped with the reason where namespaces or the qdiscs this needs
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from bench.procs import NamespacesUnavailable, hub_network
-from trainer.local import PeerProcess, wait_until
+from tests.integration.sites import hub_or_skip, peer_at
+from trainer.local import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -87,20 +85,15 @@ def tcp_connects(from_netns: str, to_netns: str, address: str, port: int = 7711)
 @pytest.fixture
 def three_sites():
     """Namespaces on one hub: the relay, the third peer, and the firewalled peer (no inbound TCP)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("network namespaces need root and iproute2's `ip` and `tc`")
-    try:
-        # libp2p builds relayed addresses from a relay's public addresses only (private ones are dropped), so the hub
-        # uses a public range; its namespaces route nowhere else
-        with hub_network(3, LINK_MBIT, LINK_MBIT, prefix="relaytest", subnet="11.77.0") as network:
-            relay, third, walled = network.peers
-            assert tcp_connects(third.netns, walled.netns, walled.address), "the hub network does not connect"
-            refuse_inbound_tcp(walled.netns, walled.device)
-            assert not tcp_connects(third.netns, walled.netns, walled.address), "inbound TCP still reaches the peer"
-            assert tcp_connects(walled.netns, third.netns, third.address), "the firewalled peer cannot dial out"
-            yield network
-    except NamespacesUnavailable as e:
-        pytest.skip(str(e))
+    # libp2p builds relayed addresses from a relay's public addresses only (private ones are dropped), so the hub
+    # uses a public range; its namespaces route nowhere else
+    with hub_or_skip(3, LINK_MBIT, prefix="relaytest", subnet="11.77.0") as network:
+        relay, third, walled = network.peers
+        assert tcp_connects(third.netns, walled.netns, walled.address), "the hub network does not connect"
+        refuse_inbound_tcp(walled.netns, walled.device)
+        assert not tcp_connects(third.netns, walled.netns, walled.address), "inbound TCP still reaches the peer"
+        assert tcp_connects(walled.netns, third.netns, third.address), "the firewalled peer cannot dial out"
+        yield network
 
 
 def averaged_with_others(peer) -> bool:
@@ -114,11 +107,7 @@ def run_swarm(network, tmp_path, walled_flags: list[str]) -> dict:
     common = ["--experiment_prefix", f"relay{int(time.time())}", *SETTINGS]
 
     def peer(site, name, flags):
-        return PeerProcess(
-            [*common, *flags, "--host_maddrs", f"/ip4/{site.address}/tcp/0", "--output_dir", str(tmp_path / name)],
-            tmp_path / f"{name}.log",
-            prefix=("ip", "netns", "exec", site.netns),
-        )
+        return peer_at(site, [*common, *flags], tmp_path, name)
 
     peers = [peer(relay, "relay", ["--use_relay", "true"])]
     try:

@@ -12,15 +12,13 @@ would until they converge, and each parameter round evens that out: the test doe
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import time
 
 import pytest
 
-from bench.procs import NamespacesUnavailable, hub_network
-from trainer.local import PeerProcess, wait_until
+from tests.integration.sites import hub_or_skip, peer_at
+from trainer.local import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -38,13 +36,8 @@ SETTINGS = [
 
 @pytest.fixture
 def two_sites():
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("network namespaces need root and iproute2's `ip` and `tc`")
-    try:
-        with hub_network(2, LINK_MBIT, LINK_MBIT, prefix="catchup", subnet="10.79.0") as network:
-            yield network
-    except NamespacesUnavailable as e:
-        pytest.skip(str(e))
+    with hub_or_skip(2, LINK_MBIT, prefix="catchup", subnet="10.79.0") as network:
+        yield network
 
 
 def rounds(peer, kind: str) -> list[dict]:
@@ -57,11 +50,7 @@ def test_a_newcomer_slower_to_download_than_an_epoch_catches_up_without_harming_
     common = ["--experiment_prefix", f"catchup{int(time.time())}", *SETTINGS]
 
     def peer(site, name, flags):
-        return PeerProcess(
-            [*common, *flags, "--host_maddrs", f"/ip4/{site.address}/tcp/0", "--output_dir", str(tmp_path / name)],
-            tmp_path / f"{name}.log",
-            prefix=("ip", "netns", "exec", site.netns),
-        )
+        return peer_at(site, [*common, *flags], tmp_path, name)
 
     a_site, b_site = two_sites.peers
     peers = [peer(a_site, "A", [])]
