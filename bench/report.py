@@ -258,6 +258,12 @@ def _rounds_per_peer(run: dict) -> str:
     return " / ".join(f"{_f(done)} ({_f(skipped)})" for done, skipped in pairs)
 
 
+def _with_its_alone_run(name: str, rate: float, run: dict) -> list[list]:
+    """A low-communication run's row, after the row of the same peers alone in that mode (its efficiency's base)."""
+    alone = [[f"alone, {name}", "no link", run["alone"]]] if run.get("alone") else []
+    return [*alone, [name, rate, run]]
+
+
 def wan_section(wan: dict) -> str:
     """Swarms on the emulated wide-area network: each mode against the same peers alone, and its traffic."""
     if "skipped" in wan:
@@ -268,18 +274,16 @@ def wan_section(wan: dict) -> str:
         ["alone (rate scaling)", scaled["rate_mbit"], scaled["alone"]],
         ["synchronous (rate scaling)", scaled["rate_mbit"], scaled["sync"]],
     ]
-    modes += [
-        [f"low-communication {name} (rate scaling)", scaled["rate_mbit"], run]
-        for name, run in scaled["lowcomm"].items()
-        if run
-    ]
+    for name, run in scaled["lowcomm"].items():
+        if run:
+            modes += _with_its_alone_run(f"low-communication {name} (rate scaling)", scaled["rate_mbit"], run)
     modes += [
         ["alone (shadow compute)", shadow["rate_mbit"], shadow["alone"]],
         ["synchronous (shadow compute)", shadow["rate_mbit"], shadow["sync"]],
     ]
     if "lowcomm" in shadow:
         name = f"low-communication H {shadow['local_steps']}, 8bit (shadow compute)"
-        modes.append([name, shadow["rate_mbit"], shadow["lowcomm"]])
+        modes += _with_its_alone_run(name, shadow["rate_mbit"], shadow["lowcomm"])
     rows = [
         [
             name,

@@ -177,8 +177,8 @@ QUICK = Plan(
 
 
 def progress_ticks(plan: Plan) -> int:
-    """How many times ``measure`` reports progress: alone, synchronous, each variant, the loss runs, shadow x 2."""
-    return 5 + len(plan.lowcomm_variants)
+    """How many times ``measure`` reports progress: alone, synchronous, each variant, the loss runs, shadow x 4."""
+    return 6 + len(plan.lowcomm_variants)
 
 
 def trainer_has_flag(name: str) -> bool:
@@ -357,13 +357,17 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
         available = trainer_has_flag("local_steps")
         for variant, flags in plan.lowcomm_variants.items():
             if available:
-                run = run_swarm(
-                    network, f"lowcomm{len(lowcomm)}", [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate
+                # the same peers alone in the same mode: their inner steps cost what they cost in the swarm
+                name = f"lowcomm{len(lowcomm)}"
+                by_itself = run_swarm(
+                    network, f"{name}_alone", [*common, *flags], log_dir, plan.seconds, together=False
                 )
+                run = run_swarm(network, name, [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate)
                 lowcomm[variant] = _public(run) | {
-                    "efficiency": ratio(run["samples_per_second"], alone["samples_per_second"])
+                    "alone": _public(by_itself),
+                    "efficiency": ratio(run["samples_per_second"], by_itself["samples_per_second"]),
+                    "bits_per_param_per_step": traffic_bits(run, params, per_epoch=False),
                 }
-                lowcomm[variant]["bits_per_param_per_step"] = traffic_bits(run, params, per_epoch=False)
             else:
                 lowcomm[variant] = None
             progress(f"wan: {variant}")
@@ -416,10 +420,12 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     flags += link_flags(SETTING.link_mbit)
     with hub_network(plan.shadow_peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wansh", subnet="10.78.1") as network:
         runs = {}
+        lowcomm = lowcomm_flags(SHADOW_LOCAL_STEPS, "8bit")
         for mode, together, extra in (
             ("alone", False, []),
             ("sync", True, []),
-            ("lowcomm", True, lowcomm_flags(SHADOW_LOCAL_STEPS, "8bit")),
+            ("lowcomm_alone", False, lowcomm),  # each mode is divided by the same peers alone in that mode
+            ("lowcomm", True, lowcomm),
         ):
             runs[mode] = run_swarm(
                 network,
@@ -432,11 +438,12 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 rate_mbit=SETTING.link_mbit,
             )
             progress(f"wan: shadow {mode}")
-    alone = runs["alone"]["samples_per_second"]
+    alone = {"sync": runs["alone"], "lowcomm": runs["lowcomm_alone"]}
     together = {
         mode: _public(runs[mode])
         | {
-            "efficiency": ratio(runs[mode]["samples_per_second"], alone),
+            "alone": _public(alone[mode]),
+            "efficiency": ratio(runs[mode]["samples_per_second"], alone[mode]["samples_per_second"]),
             # a synchronous step is a global epoch, a low-communication one an inner step
             "bits_per_param_per_step": traffic_bits(runs[mode], numel, per_epoch=mode == "sync"),
         }

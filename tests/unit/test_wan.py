@@ -186,6 +186,17 @@ def test_report_marks_variants_not_available_and_names_each_way():
     assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
 
 
+def test_report_shows_each_low_communication_run_after_its_own_alone_run():
+    from bench.report import wan_section
+
+    run = _run(90.0, efficiency=0.9, bits_per_param_per_step=0.08, alone=_run(100.0))
+    lines = wan_section(wan_figures({"H 50, 8bit": run})).splitlines()
+    alone = lines.index(
+        "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | 60.00 |  |"
+    )
+    assert lines[alone + 1].startswith("| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.08 |")
+
+
 def test_window_holds_two_epochs_within_bounds():
     assert window_s(120.0, 20.0) == 120.0
     assert window_s(120.0, 100.0) == 200.0
