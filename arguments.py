@@ -522,11 +522,12 @@ class TrainingArguments:
             "is faster than fp32 on those with bfloat16 instructions (AVX-512 BF16, AMX)"
         },
     )
-    ddp_timeout: float = field(
-        default=1800.0,
+    ddp_timeout: float | None = field(
+        default=None,
         metadata={
             "help": "torchrun peers (one peer on all of a machine's GPUs): seconds a rank waits for the others in one "
-            "exchange before the peer exits; cover rank 0's longest step (a state download included)"
+            "exchange before the peer exits. Unset: derived from the model and --bandwidth, to cover rank 0's "
+            "longest step (every try of a state download, then a round and a shutdown)"
         },
     )
     dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches (processes)"})
@@ -539,7 +540,8 @@ class TrainingArguments:
         _require_positive(self, "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate")
         _require_positive(self, "adam_epsilon", "clamp_value", "max_grad_norm", "total_steps")
         _require_non_negative(self, "weight_decay", "warmup_steps", "max_steps", "dataloader_num_workers")
-        _require_positive(self, "ddp_timeout")
+        if self.ddp_timeout is not None:
+            _require_positive(self, "ddp_timeout")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 _fail(name, f"must be in [0, 1) (got {getattr(self, name)})")

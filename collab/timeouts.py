@@ -18,6 +18,7 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
 - A state download: the state's bytes through the donor's upload, ``DOWNLOAD_MARGIN`` times over.
 - A shutdown: the last background round (``shutdown_averaging_wait``), hivemind's and the DHT's shutdown, then the
   model written at ``DISK_BYTES_PER_SECOND`` (``shutdown_deadline``, after which the watchdog forces the exit).
+- The other ranks of a torchrun peer: they wait for rank 0 through its longest step (``rank_wait_timeout``).
 """
 
 from __future__ import annotations
@@ -173,3 +174,16 @@ def download_backoff(tries_done: int) -> float:
     if tries_done <= 0:
         return 0.0
     return min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** min(tries_done - 1, 32))
+
+
+def rank_wait_timeout(timeouts: Timeouts, download_tries: int) -> float:
+    """Seconds the other ranks of a torchrun peer wait for rank 0 in one exchange: its longest step is a state load
+    (``download_tries`` tries of ``load_state_timeout`` each, with their backoffs), then an averaging round and a
+    shutdown. A rank that waits longer takes rank 0 for hung and stops the peer."""
+    backoffs = sum(download_backoff(tries) for tries in range(download_tries))
+    return (
+        download_tries * timeouts.load_state_timeout
+        + backoffs
+        + timeouts.averaging_timeout
+        + timeouts.shutdown_deadline
+    )

@@ -12,10 +12,13 @@ import threading
 
 from arguments import PeerConfig
 from collab import events
+from collab.averagers import MAX_DONORS_PER_LOAD
+from collab.optim import collaboration_timeouts
+from collab.timeouts import rank_wait_timeout
 from trainer import ranks
 from trainer.data import batch_stream, peer_data_seed
 from trainer.loop import autocast_dtype, flush_denormals, follow
-from trainer.model import build_model, load_tokenizer
+from trainer.model import build_model, load_tokenizer, model_skeleton
 from trainer.peer import run_peer
 from trainer.tasks import TASKS
 
@@ -25,9 +28,20 @@ logger = logging.getLogger(__name__)
 def run_rank(config: PeerConfig, stop: threading.Event) -> None:
     """``run_peer`` in a plain process and on rank 0 of a torchrun peer, ``run_follower`` on the other ranks."""
     layout = ranks.ranks_from_env(os.environ)
-    with ranks.process_group(layout, config.training.ddp_timeout):
+    timeout = rank_wait_seconds(config) if layout.distributed else None
+    with ranks.process_group(layout, timeout):
         program = run_peer if layout.rank == 0 else run_follower
         program(config, stop=stop)
+
+
+def rank_wait_seconds(config: PeerConfig) -> float:
+    """``--ddp_timeout``, else the wait derived from the model's size and ``--bandwidth`` (``rank_wait_timeout``),
+    computed on the model's skeleton before any weight is loaded: every rank derives the same value."""
+    if config.training.ddp_timeout is not None:
+        return config.training.ddp_timeout
+    skeleton = model_skeleton(config.dataset, load_tokenizer(config.dataset))
+    timeouts = collaboration_timeouts(skeleton, config.optimizer, config.averager)
+    return rank_wait_timeout(timeouts, MAX_DONORS_PER_LOAD)
 
 
 def run_follower(config: PeerConfig, stop: threading.Event) -> None:

@@ -21,7 +21,7 @@ from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model", "language_modeling_task", "load_tokenizer"]
+__all__ = ["build_model", "language_modeling_task", "load_tokenizer", "model_config", "model_skeleton"]
 
 
 def language_modeling_task(model_type: str) -> str:
@@ -63,6 +63,25 @@ def load_tokenizer(dataset_args: DatasetArguments) -> PreTrainedTokenizerBase:
     raise SetupError(f"--tokenizer_path: {dataset_args.tokenizer_path} holds no loadable tokenizer")
 
 
+def model_config(dataset_args: DatasetArguments, tokenizer: PreTrainedTokenizerBase):
+    """The config of ``--model_name_or_path`` (the built-in tiny BERT without one), with ``--task``'s head settings."""
+    head_config = TASKS[dataset_args.task].head_config(dataset_args)
+    source = dataset_args.model_name_or_path
+    if source is None:
+        return tiny_bert_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id or 0, **head_config)
+    try:
+        return AutoConfig.from_pretrained(source, **head_config)
+    except (OSError, ValueError) as e:
+        raise SetupError(f"--model_name_or_path: cannot load a model config from {source!r} ({e})") from None
+
+
+def model_skeleton(dataset_args: DatasetArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The model of ``--task`` with its shapes and no values (on the meta device): its sizes before anything is
+    loaded, at no memory."""
+    with torch.device("meta"):
+        return TASKS[dataset_args.task].model_class.from_config(model_config(dataset_args, tokenizer))
+
+
 def build_model(
     dataset_args: DatasetArguments, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> tuple[PreTrainedModel, str]:
@@ -73,15 +92,10 @@ def build_model(
     """
     task = TASKS[dataset_args.task]
     torch.manual_seed(seed)
-    head_config = task.head_config(dataset_args)
+    config = model_config(dataset_args, tokenizer)
     source: str | None = dataset_args.model_name_or_path
     if source is None:
-        config = tiny_bert_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id or 0, **head_config)
         return task.model_class.from_config(config), task.name
-    try:
-        config = AutoConfig.from_pretrained(source, **head_config)
-    except (OSError, ValueError) as e:
-        raise SetupError(f"--model_name_or_path: cannot load a model config from {source!r} ({e})") from None
     try:
         model, info = task.model_class.from_pretrained(
             source, config=config, ignore_mismatched_sizes=True, output_loading_info=True

@@ -120,3 +120,23 @@ def test_two_ranks_start_each_step_from_rank_0s_parameters_and_average_their_gra
     synced = [read_events(rank_events_path(events_path, rank), "ranks_synced") for rank in (0, 1)]
     assert [[(e["rank"], e["epoch"]) for e in records] for records in synced] == [[(0, 7)], [(1, 7)]]  # not at stop
     assert synced[0][0]["checksum"] == synced[1][0]["checksum"]
+
+
+def test_other_ranks_wait_as_long_as_rank_0s_model_and_link_need(tmp_path, sample_data):
+    from arguments import PeerConfig, argument_groups, parse_args
+    from bench.gpu import BERT_BASE_SHAPE
+    from trainer.follower import rank_wait_seconds
+    from trainer.model import tiny_bert_config
+
+    def config(*argv: str) -> PeerConfig:
+        return PeerConfig(*parse_args(argument_groups(PeerConfig), list(argv)))
+
+    assert rank_wait_seconds(config("--ddp_timeout", "77")) == 77.0
+    # the default model's transfers are shorter than every floor: 8 tries of 120 s and their backoffs (91 s), a
+    # 60 s round and a shutdown of about 25 s
+    assert 8 * 120 + 91 + 60 + 25 <= rank_wait_seconds(config()) < 8 * 120 + 91 + 60 + 27
+    # a BERT-base shape at 10 Mbit/s: its state (89M parameters and Lamb's two moments, fp16: 535 MB) takes 428 s,
+    # twice that for each of 8 tries
+    tiny_bert_config(4096, **BERT_BASE_SHAPE).save_pretrained(tmp_path / "base")
+    slow = config("--model_name_or_path", str(tmp_path / "base"), "--bandwidth", "10")
+    assert rank_wait_seconds(slow) > 8 * 2 * 428

@@ -19,7 +19,7 @@ from transformers import AutoModelForMaskedLM
 from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
 from collab.averagers import FiniteTrainingStateAverager, until_done
 from collab.optim import build_optimizer, build_state_averager
-from collab.timeouts import derive_timeouts, download_backoff, estimate_transfers
+from collab.timeouts import Timeouts, derive_timeouts, download_backoff, estimate_transfers, rank_wait_timeout
 from trainer.model import tiny_bert_config
 
 MB = 1e6
@@ -205,3 +205,10 @@ def test_a_download_the_peer_abandons_is_seen_as_abandoned_in_the_averager_s_pro
         assert not child.is_alive(), "the other process did not see the download abandoned"
     finally:
         child.kill()
+
+
+def test_other_ranks_wait_through_every_try_of_rank_0s_state_load():
+    timeouts = Timeouts(60.0, 3.0, 120.0, 10.0, 25.0, "floors")
+    # 8 tries of 120 s, backoffs 0+1+2+4+8+16+30+30 s, a 60 s round and a 25 s shutdown
+    assert rank_wait_timeout(timeouts, 8) == 8 * 120 + 91 + 60 + 25
+    assert rank_wait_timeout(timeouts, 1) == 120 + 60 + 25
