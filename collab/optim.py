@@ -107,7 +107,8 @@ class SameLayoutLamb(Lamb):
                 state["step"] += 1
                 by_step.setdefault(int(state["step"]), []).append(param)
             for step, params in by_step.items():
-                self._step_tensors(group, params, step)
+                for chunk in _chunks(params, FOREACH_CHUNK_ELEMENTS):
+                    self._step_tensors(group, chunk, step)
         return loss
 
     def _step_tensors(self, group: dict, params: list[torch.Tensor], step: int) -> None:
@@ -140,6 +141,22 @@ class SameLayoutLamb(Lamb):
         scales = torch.ones_like(trust_ratios) if self.adam else trust_ratios
         torch._foreach_mul_(adam_steps, list((scales * -step_size).unbind()))
         torch._foreach_add_(params, adam_steps)
+
+
+FOREACH_CHUNK_ELEMENTS = 1 << 22  # values per group of tensors stepped at once: bounds the step's scratch memory
+
+
+def _chunks(tensors: list[torch.Tensor], max_elements: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``max_elements`` values (a larger tensor is a run alone)."""
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if chunks[-1] and size + tensor.numel() > max_elements:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(tensor)
+        size += tensor.numel()
+    return chunks
 
 
 def lamb_factory(training_args: TrainingArguments) -> Callable:

@@ -9,6 +9,7 @@ from hivemind.optim.state_averager import dump_optimizer_state, initialize_optim
 from torch_optimizer import Lamb
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
+import collab.optim
 from arguments import (
     AveragerArguments,
     OptimizerArguments,
@@ -225,9 +226,13 @@ def test_lamb_state_keeps_one_layout_when_a_gradient_is_zero():
 @pytest.mark.parametrize(
     "options", [{"debias": True}, {"debias": False}, {"adam": True}, {"debias": True, "clamp_value": 0.5}]
 )
-def test_lamb_steps_as_torch_optimizer_lamb_does(options):
-    # SameLayoutLamb steps every tensor at once; torch_optimizer's Lamb, one by one, is the reference. Two groups
-    # (weight decay or none), a gradient of zeros (trust ratio 1) and a tensor that misses a step (its own count).
+@pytest.mark.parametrize("chunk_elements", [1 << 22, 40])
+def test_lamb_steps_as_torch_optimizer_lamb_does(options, chunk_elements, monkeypatch):
+    # SameLayoutLamb steps tensors together, in runs of at most FOREACH_CHUNK_ELEMENTS values (40: the 35-value
+    # tensor alone, then the rest); torch_optimizer's Lamb, one by one, is the reference. Two groups (weight decay
+    # or none), a gradient of zeros (trust ratio 1) and a tensor that misses a step (its own count).
+    monkeypatch.setattr(collab.optim, "FOREACH_CHUNK_ELEMENTS", chunk_elements)
+
     def fresh():
         generator = torch.Generator().manual_seed(1)
         params = [
