@@ -354,14 +354,19 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
         sync = run_swarm(network, "sync", slow, log_dir, plan.seconds, rate_mbit=rate)
         progress("wan: synchronous")
         lowcomm: dict = {}
+        alone_by_h: dict[str, dict] = {}
         available = trainer_has_flag("local_steps")
         for variant, flags in plan.lowcomm_variants.items():
             if available:
-                # the same peers alone in the same mode: their inner steps cost what they cost in the swarm
+                # the same peers alone in the same mode: their inner steps cost what they cost in the swarm. Alone a
+                # peer averages nothing, so variants that differ only in compression share one alone run.
+                h = flags[flags.index("--local_steps") + 1]
+                if h not in alone_by_h:
+                    alone_by_h[h] = run_swarm(
+                        network, f"lowcomm_h{h}_alone", [*common, *flags], log_dir, plan.seconds, together=False
+                    )
+                by_itself = alone_by_h[h]
                 name = f"lowcomm{len(lowcomm)}"
-                by_itself = run_swarm(
-                    network, f"{name}_alone", [*common, *flags], log_dir, plan.seconds, together=False
-                )
                 run = run_swarm(network, name, [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate)
                 lowcomm[variant] = _public(run) | {
                     "alone": _public(by_itself),

@@ -124,9 +124,8 @@ def test_two_ranks_start_each_step_from_rank_0s_parameters_and_average_their_gra
 
 def test_other_ranks_wait_as_long_as_rank_0s_model_and_link_need(tmp_path, sample_data):
     from arguments import PeerConfig, argument_groups, parse_args
-    from bench.gpu import BERT_BASE_SHAPE
+    from bench.gpu import base_model_folder
     from trainer.follower import rank_wait_seconds
-    from trainer.model import tiny_bert_config
 
     def config(*argv: str) -> PeerConfig:
         return PeerConfig(*parse_args(argument_groups(PeerConfig), list(argv)))
@@ -137,6 +136,5 @@ def test_other_ranks_wait_as_long_as_rank_0s_model_and_link_need(tmp_path, sampl
     assert 8 * 120 + 91 + 60 + 25 <= rank_wait_seconds(config()) < 8 * 120 + 91 + 60 + 27
     # a BERT-base shape at 10 Mbit/s: its state (89M parameters and Lamb's two moments, fp16: 535 MB) takes 428 s,
     # twice that for each of 8 tries
-    tiny_bert_config(4096, **BERT_BASE_SHAPE).save_pretrained(tmp_path / "base")
-    slow = config("--model_name_or_path", str(tmp_path / "base"), "--bandwidth", "10")
+    slow = config("--model_name_or_path", str(base_model_folder(tmp_path)), "--bandwidth", "10")
     assert rank_wait_seconds(slow) > 8 * 2 * 428
