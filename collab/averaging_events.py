@@ -42,8 +42,11 @@ class _CountingStub:
     def __init__(self, stub, traffic: RoundTraffic):
         self._stub, self._traffic = stub, traffic
 
-    async def rpc_aggregate_part(self, requests: AsyncIterator) -> AsyncIterator:
-        answers = await self._stub.rpc_aggregate_part(requests)
+    def __getattr__(self, name: str):
+        return getattr(self._stub, name)
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator, **kwargs) -> AsyncIterator:
+        answers = await self._stub.rpc_aggregate_part(requests, **kwargs)
         return counted(answers, self._add_received)
 
     def _add_received(self, size: int) -> None:
@@ -76,12 +79,17 @@ class TrafficCountingMixin:
         self.traffic.received += size
 
     def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self.traffic)
+        stub = super()._get_peer_stub(peer)
+        if hasattr(stub, "wrap_wire_stub"):  # count the answers as they came, before they are decoded
+            return stub.wrap_wire_stub(lambda wire_stub: _CountingStub(wire_stub, self.traffic))
+        return _CountingStub(stub, self.traffic)
 
     def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator:
         return counted(super()._generate_input_for_peer(peer_index), self._add_sent)
 
     def _accumulate_parts_streaming(self, stream: AsyncIterator, sender_index: int) -> AsyncIterator:
+        if getattr(self._servicer_type, "counts_wire_bytes", False):  # it counts this side's messages as sent
+            return super()._accumulate_parts_streaming(stream, sender_index)
         return counted(
             super()._accumulate_parts_streaming(counted(stream, self._add_received), sender_index), self._add_sent
         )

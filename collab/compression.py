@@ -48,6 +48,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
+from collab.averaging_events import RoundTraffic
 from collab.hivemind_fixes import quantization_extract
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,10 @@ class RawPartsStub:
         replies = await self._stub.rpc_aggregate_part(requests, timeout=timeout)
         return amap_in_executor(as_raw_part, replies)
 
+    def wrap_wire_stub(self, wrap) -> RawPartsStub:
+        """This stub with ``wrap`` applied to the stub beneath it, which sees replies in their wire form."""
+        return RawPartsStub(wrap(self._stub))
+
 
 class WireAveragerMixin:
     """Put before the hivemind averager class (``class A(WireAveragerMixin, FiniteGradientAverager)``): this peer
@@ -201,7 +206,11 @@ class WireAveragerMixin:
 
     Needed for ``SparseFloat16Wire`` parts and, without ``collab.hivemind_fixes``, 8-bit ones. hivemind's runner
     itself is unchanged: it sees uncompressed parts, so its averaging, refusals and timeouts apply as they are.
+    Its traffic counts (``TrafficCountingMixin``) would see them uncompressed too, 4 bytes a value: this class counts
+    what it receives and answers as a reducer in their wire form instead (``counts_wire_bytes``).
     """
+
+    counts_wire_bytes = True
 
     @classmethod
     def get_stub(cls, p2p: P2P, peer: PeerID, *, namespace: str | None = None):
@@ -212,8 +221,14 @@ class WireAveragerMixin:
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_types = deque()  # the wire type of each received part, in order: the reply to part i comes i-th
 
+        traffic = None  # the round's counts, once its runner is known
+
         async def noting_part_types():
+            nonlocal traffic
             async for request in stream:
+                if traffic is None:
+                    traffic = await self._round_traffic(request.group_id)
+                traffic.received += request.ByteSize()
                 part_types.append(request.tensor_part.compression)
                 yield request
 
@@ -227,7 +242,23 @@ class WireAveragerMixin:
                 delta = deserialize_torch_tensor(reply.tensor_part)  # uncompressed: no copy
                 tensor_part = await loop.run_in_executor(None, encode_reply, delta, part_type)
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=tensor_part)
+            if traffic is not None:
+                traffic.sent += reply.ByteSize()
             yield reply
+
+    async def _round_traffic(self, group_id: bytes):
+        """The ``traffic`` of the runner of ``group_id`` (a throwaway count where there is none): found as hivemind's
+        ``rpc_aggregate_part`` finds the runner, including its wait for a group that is still being registered."""
+        if group_id not in self._running_groups:
+            await self._pending_groups_registered.wait()
+        future = self._running_groups.get(group_id)
+        if future is None:
+            return RoundTraffic()
+        try:
+            runner = await asyncio.shield(future)
+        except Exception:  # the round failed to start: hivemind answers the sender with its error
+            return RoundTraffic()
+        return getattr(runner, "traffic", None) or RoundTraffic()
 
 
 @torch.no_grad()

@@ -17,6 +17,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
 from bench.compression import gpt2_small_shapes, measure
+from collab import events
+from collab.averagers import FiniteAverager
 from collab.compression import (
     CODEC_KINDS,
     DENSE_BELOW_VALUES,
@@ -255,12 +257,15 @@ def three_dhts() -> Iterator[list[hivemind.DHT]]:
         yield dhts
 
 
-def average_in_one_round(dhts, kind: str, contributions: list[list[torch.Tensor]], weights: list[float]):
-    """One all-reduce among three ``WireAverager``s on ``make_codec(kind).wire``; each peer's tensors after it."""
+def average_in_one_round(
+    dhts, kind: str, contributions: list[list[torch.Tensor]], weights: list[float], averager_class=None
+):
+    """One all-reduce among ``WireAverager``s (or ``averager_class``) on ``make_codec(kind).wire``, one per DHT;
+    each peer's tensors after it."""
     options = dict(
         prefix=f"wire_{kind}",
-        target_group_size=3,
-        min_group_size=3,
+        target_group_size=len(dhts),
+        min_group_size=len(dhts),
         min_matchmaking_time=1.0,
         request_timeout=0.5,
         part_size_bytes=2**15,  # several parts per tensor, so that every peer reduces some of each
@@ -270,13 +275,14 @@ def average_in_one_round(dhts, kind: str, contributions: list[list[torch.Tensor]
     averagers = []
     try:
         for dht, tensors in zip(dhts, contributions, strict=True):
-            averagers.append(WireAverager([tensor.clone() for tensor in tensors], dht=dht, **options))
+            averager = (averager_class or WireAverager)([tensor.clone() for tensor in tensors], dht=dht, **options)
+            averagers.append(averager)
         when = get_dht_time() + 1.0
         steps = [
             averager.step(weight=w, scheduled_time=when, wait=False)
             for averager, w in zip(averagers, weights, strict=True)
         ]
-        assert all(len(step.result(timeout=30)) == 3 for step in steps), "no round of three"
+        assert all(len(step.result(timeout=30)) == len(dhts) for step in steps), "not every peer in the group"
         results = []
         for averager in averagers:
             with averager.get_tensors() as tensors:
@@ -317,6 +323,30 @@ def test_an_all_reduce_on_the_8bit_wire_gives_the_mean_within_a_few_percent(thre
     for tensors in average_in_one_round(three_dhts, "8bit", contributions, weights):
         assert (tensors[0] - expected[0]).norm() < 0.03 * expected[0].norm()
         assert (tensors[1] - expected[1]).abs().max() <= 2**-9 * expected[1].abs().max()
+
+
+class CountingWireAverager(WireAveragerMixin, FiniteAverager):
+    """The trainers' averager stack on the wire formats: its runner counts the round's traffic."""
+
+
+@pytest.mark.timeout(60)
+def test_a_round_on_the_8bit_wire_counts_about_one_byte_a_value_each_way(three_dhts, tmp_path):
+    """Each of 3 peers sends 2/3 of its values to the reducers and 2/3 as replies, at 1 byte each: 4/3 bytes per
+    value each way (plus 1 KB of codebook per part). The reducer decodes parts to fp32 for hivemind's runner; counted
+    there, replies and received parts would weigh 4 bytes a value (10/3 bytes per value sent)."""
+    values = 8 * TOP_K_VALUES
+    generator = torch.Generator().manual_seed(7)
+    contributions = [[torch.randn(values, generator=generator), torch.randn(1000)] for _ in range(3)]
+    events.open_event_log(tmp_path / "events.jsonl")
+    try:
+        average_in_one_round(three_dhts, "8bit", contributions, [1.0, 1.0, 1.0], CountingWireAverager)
+    finally:
+        events.open_event_log(None)
+    rounds = events.read_events(tmp_path / "events.jsonl", "averaged")
+    assert len(rounds) == 3
+    for record in rounds:
+        for direction in ("bytes_sent", "bytes_received"):
+            assert 1.25 * values < record[direction] < 1.5 * values, (direction, record)
 
 
 def test_every_codec_kind_is_built():
