@@ -233,18 +233,14 @@ class OptimizerArguments:
         default=True,
         metadata={"help": "Average gradients in the background (needs delay_optimizer_step)"},
     )
-    # 2, not the seed's 1: every peer applies the same averaged gradients, so parameters only drift apart when a peer
-    # misses a gradient round, and a parameter round every second epoch brings it back within two
-    # (tests/integration/test_parameter_rounds.py).
-    # Each parameter round moves as many bytes as a gradient round, so this cuts a peer's traffic by a quarter; on two
-    # CPU peers it took 0.014 cores of background off the training loops and gave 0.948 -> 0.958 efficiency (three
-    # alternating pairs of runs, each one better; docs/BENCHMARKS.md).
-    average_state_every: int = field(
-        default=2,
+    average_state_every: int | None = field(
+        default=None,
         metadata={
             "help": "Average parameters with peers every this many global epochs (Lamb's statistics are not averaged: "
-            "every peer updates them from the same averaged gradients). 1 repairs a peer that missed a round soonest; "
-            "higher saves traffic"
+            "every peer updates them from the same averaged gradients). Unset: 2 in the synchronous mode; in the "
+            "low-communication mode, as rarely as keeps a parameter round's bytes at a quarter of the "
+            "pseudo-gradients' (every 8 rounds with fp16, 16 with 8bit, 32 with topk). 1 repairs a peer that missed "
+            "a round soonest; higher saves traffic"
         },
     )
 
@@ -278,8 +274,8 @@ class OptimizerArguments:
     )
 
     def __post_init__(self) -> None:
-        _require_positive(self, "target_batch_size", "matchmaking_time", "bandwidth", "average_state_every")
-        for name in ("averaging_timeout", "next_chunk_timeout", "load_state_timeout"):
+        _require_positive(self, "target_batch_size", "matchmaking_time", "bandwidth")
+        for name in ("average_state_every", "averaging_timeout", "next_chunk_timeout", "load_state_timeout"):
             if getattr(self, name) is not None:  # None: derived from the model and --bandwidth (collab/timeouts.py)
                 _require_positive(self, name)
         if not (isinstance(self.local_steps, int) and 0 <= self.local_steps <= MAX_LOCAL_STEPS):

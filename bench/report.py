@@ -284,6 +284,9 @@ def wan_section(wan: dict) -> str:
     if "lowcomm" in shadow:
         name = f"low-communication H {shadow['local_steps']}, 8bit (shadow compute)"
         modes += _with_its_alone_run(name, shadow["rate_mbit"], shadow["lowcomm"])
+    if "lowcomm_state_every_2" in shadow:  # the same peers with parameter rounds every second round
+        run = shadow["lowcomm_state_every_2"]
+        modes.append([f"{name}, parameter rounds every 2nd round", shadow["rate_mbit"], run])
     rows = [
         [
             name,

@@ -177,8 +177,8 @@ QUICK = Plan(
 
 
 def progress_ticks(plan: Plan) -> int:
-    """How many times ``measure`` reports progress: alone, synchronous, each variant, the loss runs, shadow x 4."""
-    return 6 + len(plan.lowcomm_variants)
+    """How many times ``measure`` reports progress: alone, synchronous, each variant, the loss runs, shadow x 5."""
+    return 7 + len(plan.lowcomm_variants)
 
 
 def trainer_has_flag(name: str) -> bool:
@@ -431,6 +431,8 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
             ("sync", True, []),
             ("lowcomm_alone", False, lowcomm),  # each mode is divided by the same peers alone in that mode
             ("lowcomm", True, lowcomm),
+            # the low-communication mode's parameter rounds as often as the synchronous mode's, as before 2026-11-26
+            ("lowcomm_state_every_2", True, [*lowcomm, "--average_state_every", "2"]),
         ):
             runs[mode] = run_swarm(
                 network,
@@ -443,7 +445,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 rate_mbit=SETTING.link_mbit,
             )
             progress(f"wan: shadow {mode}")
-    alone = {"sync": runs["alone"], "lowcomm": runs["lowcomm_alone"]}
+    alone = {"sync": runs["alone"], "lowcomm": runs["lowcomm_alone"], "lowcomm_state_every_2": runs["lowcomm_alone"]}
     together = {
         mode: _public(runs[mode])
         | {
@@ -452,7 +454,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
             # a synchronous step is a global epoch, a low-communication one an inner step
             "bits_per_param_per_step": traffic_bits(runs[mode], numel, per_epoch=mode == "sync"),
         }
-        for mode in ("sync", "lowcomm")
+        for mode in alone
     }
     return {
         "params": numel,

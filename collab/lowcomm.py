@@ -23,6 +23,7 @@ Newcomers download the anchor, the outer momentum and the serving peer's Lamb st
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -42,6 +43,33 @@ logger = logging.getLogger(__name__)
 def round_target_samples(local_steps: int, target_batch_size: int) -> int:
     """Samples the swarm processes per outer round: ``local_steps`` synchronous global batches' worth."""
     return local_steps * target_batch_size
+
+
+# Synchronous mode: every peer applies the same averaged gradients, so parameters only drift apart when a peer misses a
+# gradient round; a parameter round every second epoch brings it back within two (tests/integration/
+# test_parameter_rounds.py) at a quarter less traffic than every epoch (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
+SYNC_PARAMETER_ROUND_EVERY = 2
+# Low-communication mode: a parameter round carries the anchor and the outer momentum in fp16, 4 bytes a value, while
+# a pseudo-gradient round carries 2 (fp16), 1 (8bit) or a few percent of that (topk). Every second round, parameter
+# rounds were the link's largest load (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md); they only repair a peer
+# that missed a round, so they come as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes.
+PARAMETER_ROUND_BYTES_PER_VALUE = 4.0
+PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.12}
+PARAMETER_TRAFFIC_SHARE = 0.25
+MAX_PARAMETER_ROUND_EVERY = 32
+
+
+def parameter_round_every(explicit: int | None, local_steps: int, pseudo_grad_compression: str) -> int:
+    """Global epochs between parameter rounds: ``explicit`` where given, else SYNC_PARAMETER_ROUND_EVERY in the
+    synchronous mode (``local_steps`` 0), else the fewest rounds whose parameter traffic stays within
+    PARAMETER_TRAFFIC_SHARE of the pseudo-gradients', at most MAX_PARAMETER_ROUND_EVERY."""
+    if explicit is not None:
+        return explicit
+    if local_steps == 0:
+        return SYNC_PARAMETER_ROUND_EVERY
+    pseudo_gradient = PSEUDO_GRADIENT_BYTES_PER_VALUE[pseudo_grad_compression]
+    every = math.ceil(PARAMETER_ROUND_BYTES_PER_VALUE / (PARAMETER_TRAFFIC_SHARE * pseudo_gradient))
+    return min(every, MAX_PARAMETER_ROUND_EVERY)
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ from arguments import (
 )
 from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager, FiniteTrainingStateAverager
 from collab.compression import make_codec
-from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory
+from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory, parameter_round_every
 from collab.timeouts import FP16_BYTES, Timeouts, derive_timeouts, estimate_transfers
 
 logger = logging.getLogger(__name__)
@@ -307,6 +307,10 @@ def build_optimizer(
             grad_averager_factory=FiniteGradientAverager,
         )
     optimizer_class = LowCommOptimizer if optimizer_args.local_steps > 0 else FiniteAveragingOptimizer
+    state_every = parameter_round_every(
+        optimizer_args.average_state_every, optimizer_args.local_steps, optimizer_args.pseudo_grad_compression
+    )
+    logger.info("Parameter rounds every %d global epochs", state_every)
     return optimizer_class(
         dht=dht,
         run_id=peer_args.experiment_prefix,
@@ -319,7 +323,7 @@ def build_optimizer(
         offload_optimizer=optimizer_args.offload_optimizer,
         delay_optimizer_step=optimizer_args.delay_optimizer_step,
         delay_grad_averaging=optimizer_args.delay_grad_averaging,
-        average_state_every=optimizer_args.average_state_every,
+        average_state_every=state_every,
         client_mode=peer_args.client_mode,
         state_averaging_compression=Float16Compression(),
         load_state_compression=Float16Compression(),

@@ -33,6 +33,7 @@ AVERAGING_TIMEOUT = 15
 LOWCOMM = [
     *("--local_steps", "2", "--target_batch_size", "128", "--matchmaking_time", "1.5"),
     *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS)),
+    *("--average_state_every", "2"),  # the agreement checked below comes from parameter rounds
 ]
 
 

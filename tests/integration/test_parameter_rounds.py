@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from arguments import OptimizerArguments
+from collab.lowcomm import SYNC_PARAMETER_ROUND_EVERY
 from tests.faults import DRIFT
 from tests.integration.agreement import assert_parameters_agree, evened_out, saved_parameters
 from trainer.local import PeerProcess, wait_until
@@ -24,7 +24,7 @@ DRIFT_EPOCH = 3
 # The learning rate decays to 0 at LR_ZERO_EPOCH (--total_steps), two parameter rounds after the drift, so that one
 # failed round does not fail the test. The peers are stopped once both have averaged their parameters together in a
 # complete round after it (their events say so), and from there on an update changes nothing.
-LR_ZERO_EPOCH = DRIFT_EPOCH + 2 * OptimizerArguments.average_state_every + 2
+LR_ZERO_EPOCH = DRIFT_EPOCH + 2 * SYNC_PARAMETER_ROUND_EVERY + 2
 SETTINGS = [
     *("--target_batch_size", "128", "--matchmaking_time", "2", "--averaging_timeout", "15"),
     *("--total_steps", str(LR_ZERO_EPOCH)),

@@ -20,6 +20,7 @@ from collab.lowcomm import (
     LowCommOptimizer,
     OuterNesterov,
     outer_optimizer_factory,
+    parameter_round_every,
     pseudo_gradient_,
     rebase_,
     round_target_samples,
@@ -232,3 +233,19 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
             optimizer.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_between_pseudo_gradient_rounds():
+    assert parameter_round_every(None, 0, "8bit") == 2
+    # 4 bytes a value (anchor and momentum in fp16) at most a quarter of the pseudo-gradients' bytes per round
+    assert parameter_round_every(None, 10, "fp16") == 8  # 4 / (0.25 x 2)
+    assert parameter_round_every(None, 10, "8bit") == 16  # 4 / (0.25 x 1)
+    assert parameter_round_every(None, 50, "topk") == 32  # 4 / (0.25 x 0.12) = 134, capped
+    assert parameter_round_every(3, 50, "topk") == 3  # the flag wins
+    assert parameter_round_every(1, 0, "fp16") == 1
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_a_parameter_round_period_below_one_is_refused_naming_the_flag(value):
+    with pytest.raises(ConfigError, match="average_state_every"):
+        OptimizerArguments(average_state_every=value)
