@@ -277,12 +277,11 @@ def wan_section(wan: dict) -> str:
     for name, run in scaled["lowcomm"].items():
         if run:
             modes += _with_its_alone_run(f"low-communication {name} (rate scaling)", scaled["rate_mbit"], run)
-    modes += [
-        ["alone (shadow compute)", shadow["rate_mbit"], shadow["alone"]],
-        ["synchronous (shadow compute)", shadow["rate_mbit"], shadow["sync"]],
-    ]
+    for key, name in (("alone", "alone (shadow compute)"), ("sync", "synchronous (shadow compute)")):
+        if key in shadow:  # a run of only some of the shadow modes (python -m bench.wan --shadow_modes)
+            modes.append([name, shadow["rate_mbit"], shadow[key]])
+    name = f"low-communication H {shadow.get('local_steps')}, 8bit (shadow compute)"
     if "lowcomm" in shadow:
-        name = f"low-communication H {shadow['local_steps']}, 8bit (shadow compute)"
         modes += _with_its_alone_run(name, shadow["rate_mbit"], shadow["lowcomm"])
     if "lowcomm_state_every_2" in shadow:  # the same peers with parameter rounds every second round
         run = shadow["lowcomm_state_every_2"]

@@ -152,6 +152,7 @@ class Plan:
     shadow_peers: int = 2
     shadow_layers: int = 12
     shadow_seconds: float = 120.0
+    shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm", "lowcomm_state_every_2")
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
 
 
@@ -414,6 +415,23 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
 SHADOW_LOCAL_STEPS = 10
 
 
+# Each mode is divided by the same peers alone in that mode.
+SHADOW_ALONE_RUN = {"sync": "alone", "lowcomm": "lowcomm_alone", "lowcomm_state_every_2": "lowcomm_alone"}
+
+
+def shadow_runs(local_steps: int) -> dict[str, tuple[bool, list[str]]]:
+    """The shadow way's runs in order: {name: (peers together, their own flags)}."""
+    lowcomm = lowcomm_flags(local_steps, "8bit")
+    return {
+        "alone": (False, []),
+        "sync": (True, []),
+        "lowcomm_alone": (False, lowcomm),
+        "lowcomm": (True, lowcomm),
+        # the low-communication mode's parameter rounds as often as the synchronous mode's, as before 2026-11-26
+        "lowcomm_state_every_2": (True, [*lowcomm, "--average_state_every", "2"]),
+    }
+
+
 def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     """Shadow compute: GPT-2-shaped gradients over links at the setting's own rate, alone and together."""
     from bench.shadow import shadow_numel
@@ -425,15 +443,9 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     flags += link_flags(SETTING.link_mbit)
     with hub_network(plan.shadow_peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wansh", subnet="10.78.1") as network:
         runs = {}
-        lowcomm = lowcomm_flags(SHADOW_LOCAL_STEPS, "8bit")
-        for mode, together, extra in (
-            ("alone", False, []),
-            ("sync", True, []),
-            ("lowcomm_alone", False, lowcomm),  # each mode is divided by the same peers alone in that mode
-            ("lowcomm", True, lowcomm),
-            # the low-communication mode's parameter rounds as often as the synchronous mode's, as before 2026-11-26
-            ("lowcomm_state_every_2", True, [*lowcomm, "--average_state_every", "2"]),
-        ):
+        for mode, (together, extra) in shadow_runs(SHADOW_LOCAL_STEPS).items():
+            if mode not in plan.shadow_modes:
+                continue
             runs[mode] = run_swarm(
                 network,
                 f"shadow_{mode}",
@@ -445,7 +457,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 rate_mbit=SETTING.link_mbit,
             )
             progress(f"wan: shadow {mode}")
-    alone = {"sync": runs["alone"], "lowcomm": runs["lowcomm_alone"], "lowcomm_state_every_2": runs["lowcomm_alone"]}
+    alone = {mode: runs[SHADOW_ALONE_RUN[mode]] for mode in SHADOW_ALONE_RUN if mode in runs}
     together = {
         mode: _public(runs[mode])
         | {
@@ -461,7 +473,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
         "micro_batch_s": micro_s,
         "rate_mbit": SETTING.link_mbit,
         "local_steps": SHADOW_LOCAL_STEPS,
-        "alone": _public(runs["alone"]),
+        **({"alone": _public(runs["alone"])} if "alone" in runs else {}),
         **together,
     }
 
@@ -485,9 +497,9 @@ def summarize(wan: dict) -> dict:
     summary: dict = {key: None for key in SUMMARY_KEYS}
     bits: dict = {}
     if wan.get("shadow"):
-        bits["shadow_sync"] = wan["shadow"]["sync"]["bits_per_param_per_step"]
-        if "lowcomm" in wan["shadow"]:
-            bits["shadow_lowcomm"] = wan["shadow"]["lowcomm"]["bits_per_param_per_step"]
+        for mode in ("sync", "lowcomm"):
+            if mode in wan["shadow"]:
+                bits[f"shadow_{mode}"] = wan["shadow"][mode]["bits_per_param_per_step"]
     scaled = wan.get("rate_scaled")
     if scaled:
         variants = [run for run in scaled["lowcomm"].values() if run]
@@ -516,9 +528,22 @@ def main(argv=None) -> int:
     parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/wan"), help="every process's log")
     parser.add_argument("--output", type=Path, default=None, help="also write every figure as JSON here")
     parser.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS), help="ways of emulating to run")
+    parser.add_argument(
+        "--shadow_modes", nargs="+", choices=list(shadow_runs(1)), default=None, help="the shadow way's runs (all)"
+    )
+    parser.add_argument(
+        "--shadow_seconds", type=float, default=None, help="measured window of each shadow run (120; quick 30)"
+    )
     args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.shadow_modes:
+        plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))
+    if args.shadow_seconds is not None:
+        if not 10 <= args.shadow_seconds <= 3600:
+            parser.error(f"--shadow_seconds: must be 10 to 3600 seconds (got {args.shadow_seconds:g})")
+        plan = dataclasses.replace(plan, shadow_seconds=args.shadow_seconds)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups: children, network namespaces
-    wan = measure(QUICK if args.quick else FULL, args.log_dir, ways=args.ways)
+    wan = measure(plan, args.log_dir, ways=args.ways)
     if args.output:
         args.output.write_text(json.dumps(wan, default=str, indent=1) + "\n")
     print(json.dumps(rounded(summarize(wan))))
