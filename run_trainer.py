@@ -14,11 +14,17 @@ from collections.abc import Sequence
 
 from arguments import PeerConfig
 from collab.entry import run_program
-from trainer.follower import run_rank
+
+
+def run(config: PeerConfig, stop) -> None:
+    # imported once the flags have passed their checks: bad input is answered without loading the model code
+    from trainer.follower import run_rank
+
+    run_rank(config, stop=stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_program("run_trainer.py", PeerConfig, run_rank, argv)
+    return run_program("run_trainer.py", PeerConfig, run, argv)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,17 @@ from collections.abc import Sequence
 
 from arguments import MonitorConfig
 from collab.entry import run_program
-from monitor.run import run_monitor
+
+
+def run(config: MonitorConfig, stop) -> None:
+    # imported once the flags have passed their checks: bad input is answered without loading the model code
+    from monitor.run import run_monitor
+
+    run_monitor(config, stop=stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_program("run_training_monitor.py", MonitorConfig, run_monitor, argv)
+    return run_program("run_training_monitor.py", MonitorConfig, run, argv)
 
 
 if __name__ == "__main__":
