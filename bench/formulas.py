@@ -155,14 +155,15 @@ def summary_json(figures: Mapping[str, object]) -> str:
     unknown = set(figures) - set(SUMMARY_KEYS) - {"details"}
     if unknown:
         raise KeyError(f"not a summary key: {sorted(unknown)}")
-    return json.dumps({key: _rounded(figures.get(key)) for key in SUMMARY_KEYS}, sort_keys=False)
+    return json.dumps({key: rounded(figures.get(key)) for key in SUMMARY_KEYS}, sort_keys=False)
 
 
-def _rounded(value):
+def rounded(value):
+    """Figures to 4 decimals for a summary line, in dicts and lists too; a non-finite float becomes None."""
     if isinstance(value, float):
         return round(value, 4) if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {key: _rounded(item) for key, item in value.items()}
+        return {key: rounded(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_rounded(item) for item in value]
+        return [rounded(item) for item in value]
     return value

@@ -172,10 +172,14 @@ class HubNetwork:
 
     def set_rates(self, upload_mbit: float, download_mbit: float) -> None:
         """Reshape every peer's link in place (``tc qdisc replace``); connections stay up."""
+        for rank in range(len(self.peers)):
+            self.set_peer_rate(rank, upload_mbit, download_mbit)
+
+    def set_peer_rate(self, rank: int, upload_mbit: float, download_mbit: float) -> None:
+        """Reshape one peer's link in place: its upload on its own end, its download on the hub's end."""
         check_rates(upload_mbit, download_mbit)
-        for rank, peer in enumerate(self.peers):
-            _tc(peer.netns, peer.device, upload_mbit, "replace")
-            _tc(self.hub, f"{self.prefix}_h{rank}", download_mbit, "replace")
+        _tc(self.peers[rank].netns, self.peers[rank].device, upload_mbit, "replace")
+        _tc(self.hub, f"{self.prefix}_h{rank}", download_mbit, "replace")
 
     def counters(self) -> list[dict[str, int]]:
         """Each peer's link counters as its kernel keeps them: tx_bytes is what the peer sent, rx_bytes received."""

@@ -18,14 +18,13 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
-import math
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.formulas import MBIT, allreduce_bytes_per_peer, ratio
+from bench.formulas import MBIT, allreduce_bytes_per_peer, ratio, rounded
 from bench.procs import (
     ONE_THREAD,
     Child,
@@ -511,15 +510,6 @@ def summarize(wan: dict) -> dict:
         summary["lowcomm_loss_ratio"] = scaled["loss"] and scaled["loss"]["ratio"]
     summary["bits_per_param_per_step"] = bits or None
     return summary
-
-
-def rounded(value):
-    """Figures to 4 decimals for the summary line."""
-    if isinstance(value, float):
-        return round(value, 4) if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: rounded(item) for key, item in value.items()}
-    return value
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,772 @@
+"""Churn at scale, measured: ``python -m bench.swarm [--quick]``; the last line is one JSON object.
+
+A swarm of real ``run_trainer.py`` peers (the default tiny model, one thread each, started through ``bench.probe``)
+in network namespaces on bench.procs' hub, each behind an access link of its own, the speeds a cycle of
+``LINK_RATES``. The monitor, in a namespace of its own, is the bootstrap every peer joins through
+(``--initial_peers``). One peer is ``SLOWDOWN`` times slower than the rest: after each optimizer step it sleeps twice
+as long as its forward and backward took (``python -m bench.swarm peer``; ``--gradient_accumulation_steps`` would
+make its steps coarser, not the peer slower). Once the swarm has formed, it runs ``--epochs`` global epochs while a
+seeded schedule (``churn_schedule``):
+
+- kills peers with SIGKILL at ``KILL_RATE`` of the peers per hour-equivalent, ``--hour_epochs`` global epochs (60 by
+  default: one epoch stands for a minute of a real swarm), and restarts each ``RESTART_EPOCHS`` later with its own
+  identity; never more than ``max_down`` at once, never the slow peer;
+- brings a newcomer (a new identity, nothing on disk, its link one of ``LINK_RATES``) every ``--newcomer_every``
+  epochs, which leaves cleanly (SIGTERM) when the second one after it arrives: at most two newcomers at once.
+
+The figures, from the peers' events (docs/EVENTS.md) and steps files (``bench.probe``), over the measured epochs:
+
+- ``goodput``: samples that reached an applied update / samples computed (``computed_samples``,
+  ``applied_samples``);
+- ``join_success``: joins (restarts and newcomers) that became productive / joins tried (``join_outcome``);
+  ``--history`` keeps each run's counts so that they add up across runs;
+- ``join_seconds_vs_bound``: per productive join, the time from its ``joined`` event (DHT up; the Python start-up
+  before it is CPU, not the swarm) to its first gradient round with its own samples, over the state's bytes on the
+  wire through its download link (median, and ``_max``);
+- ``stalls``: global epochs that took over twice the median epoch.
+
+Every process has a deadline and is killed on exit, and the run has one (``--max_minutes``). Network namespaces need
+root and iproute2; without them the run says so and its JSON line is ``{"skipped": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bench.formulas import rounded, transfer_bound_s
+from bench.procs import ONE_THREAD, Child, HubNetwork, NamespacesUnavailable, children, hub_network, read_json_lines
+from collab.events import read_events
+from trainer.local import LocalProcess
+
+HOUR_EPOCHS = 60  # global epochs in an hour-equivalent: one epoch stands for a minute of a real swarm
+KILL_RATE = 0.3  # peers killed per hour-equivalent, as a fraction of the swarm (the issue's churn)
+RESTART_EPOCHS = 2  # a killed peer comes back this many epochs later, as a rebooted machine would
+NEWCOMERS_AT_ONCE = 2  # a newcomer leaves when the second one after it arrives
+NEWCOMER_SLOTS = NEWCOMERS_AT_ONCE + 1  # namespaces for newcomers: one more for a leaver still shutting down
+SLOWDOWN = 3.0  # the slow peer's step time over its compute time
+WARMUP_EPOCHS = 2  # epochs between the swarm's forming and the measured window, for the initial downloads to settle
+# Epochs the swarm runs on after the window before it is stopped: the window's last epoch ends for the slower peers
+# (their step, their round) after the first peer has moved on, and stopping at once would count it as lost.
+SETTLE_EPOCHS = 1
+# (upload, download) in Mbit/s, home and office links. The default model's state (1.01M parameters and Lamb's two
+# moments, 12.1 MB as state_loaded counts them) takes 8, 3.9, 1.9 and 1 s to download at these rates; a gradient
+# round's upload (fp16, 2 MB) 2.7 s on the slowest.
+LINK_RATES = ((6.0, 12.0), (10.0, 25.0), (20.0, 50.0), (50.0, 100.0))
+FAST_MBIT = 1000.0  # the monitor's link, and every link while the swarm forms (its downloads are not measured)
+JOIN_GOAL = 1.5  # join_seconds_vs_bound's goal
+# state_loaded counts the state in memory (fp32); downloads carry it in fp16 (load_state_compression), half as many
+# bytes: the bound is the time of those through the link.
+STATE_WIRE_FRACTION = 0.5
+# A join killed (or ended by the run) before JOIN_GOAL x its bound plus this allowance had no fair chance: the
+# allowance covers what the bound leaves out, the process's start on a loaded CPU and the wait for a round.
+STARTUP_ALLOWANCE_S = 60.0
+GOALS = {"goodput": 0.95, "join_success": 0.995, "join_seconds_vs_bound": JOIN_GOAL, "stalls": 0}
+STALL_FACTOR = 2.0  # an epoch over this many times the median is a stall
+KINDS = ("restart", "kill", "leave", "newcomer")  # within one epoch: a peer back before another goes down
+POLL_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One run's size and length; ``QUICK`` is a smoke run of a few minutes."""
+
+    peers: int = 16
+    epochs: int = 60  # measured global epochs
+    hour_epochs: int = HOUR_EPOCHS
+    newcomer_every: int = 4
+    target_batch_size: int = 1024
+    max_minutes: float = 45.0  # the whole run, start-up included
+    seed: int = 0
+
+
+FULL = Plan()
+# Kills at 30 % an hour-equivalent among 6 peers would be 0.45 in 15 epochs: a shorter hour-equivalent makes some.
+QUICK = Plan(peers=6, epochs=15, hour_epochs=10, newcomer_every=3, max_minutes=9.0)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Action:
+    """What the schedule does when the swarm reaches ``epoch`` (counted from the measured window's first)."""
+
+    epoch: int
+    order: int  # KINDS' index: restarts, kills, leaves, then arrivals within one epoch
+    kind: str
+    who: int  # a regular peer's rank, or a newcomer's number
+
+
+def kills_due(peers: int, epochs: int, hour_epochs: int, kill_rate: float = KILL_RATE) -> int:
+    """Kills in ``epochs`` global epochs at ``kill_rate`` of ``peers`` per hour-equivalent, to the nearest."""
+    return round(kill_rate * peers * epochs / hour_epochs)
+
+
+def max_down(peers: int) -> int:
+    """Peers the schedule may have down at once: one in eight (two of sixteen), at least one."""
+    return max(1, peers // 8)
+
+
+def churn_schedule(
+    seed: int,
+    peers: int,
+    epochs: int,
+    hour_epochs: int = HOUR_EPOCHS,
+    newcomer_every: int = 4,
+    restart_epochs: int = RESTART_EPOCHS,
+    kill_rate: float = KILL_RATE,
+    spared: Sequence[int] = (),
+) -> list[Action]:
+    """The run's kills, restarts, newcomers and their leaving, sorted, from ``random.Random(seed)``.
+
+    ``kills_due`` kills, one at a random epoch of each of as many equal stretches of the run (so the rate holds over
+    any part of it, not only the whole), of a random peer not in ``spared`` and up since before that epoch; a kill
+    that would put more than ``max_down`` peers down at once, or finds no such peer, moves to the next epoch where
+    it does not (and is dropped past the run's end). Each killed peer restarts ``restart_epochs`` later. A newcomer
+    arrives every ``newcomer_every`` epochs from the first; the one that arrived ``NEWCOMERS_AT_ONCE`` arrivals
+    earlier leaves then.
+    """
+    if not (peers >= 2 and epochs >= 1 and hour_epochs >= 1 and newcomer_every >= 1 and restart_epochs >= 1):
+        raise ValueError(f"a schedule needs 2+ peers and positive epochs, not {peers}, {epochs}, {hour_epochs}")
+    rng = random.Random(seed)
+    actions: list[Action] = []
+    down: list[tuple[int, int, int]] = []  # (kill epoch, restart epoch, rank) of every kill so far
+    bound, kills = max_down(peers), kills_due(peers, epochs, hour_epochs, kill_rate)
+
+    def victims(epoch: int) -> list[int]:
+        """Peers that may be killed at ``epoch``: up until their restart, and never above the bound meanwhile."""
+        span = range(epoch, epoch + restart_epochs)
+        if any(sum(kill <= t < back for kill, back, _ in down) >= bound for t in span):
+            return []
+        # a peer is killed neither while down nor at an epoch it goes down or comes back at
+        busy = {rank for kill, back, rank in down if kill <= span.stop and epoch <= back}
+        return [rank for rank in range(peers) if rank not in busy and rank not in spared]
+
+    for i in range(kills):
+        low, high = i * epochs // kills, (i + 1) * epochs // kills
+        wanted = rng.randrange(low, max(high, low + 1))
+        epoch = next((e for e in range(wanted, epochs) if victims(e)), None)
+        if epoch is None:
+            continue
+        rank = rng.choice(victims(epoch))
+        down.append((epoch, epoch + restart_epochs, rank))
+        actions.append(Action(epoch, KINDS.index("kill"), "kill", rank))
+        if epoch + restart_epochs < epochs:
+            actions.append(Action(epoch + restart_epochs, KINDS.index("restart"), "restart", rank))
+    for number, epoch in enumerate(range(0, epochs, newcomer_every)):
+        if number >= NEWCOMERS_AT_ONCE:
+            actions.append(Action(epoch, KINDS.index("leave"), "leave", number - NEWCOMERS_AT_ONCE))
+        actions.append(Action(epoch, KINDS.index("newcomer"), "newcomer", number))
+    return sorted(actions)
+
+
+@dataclasses.dataclass
+class PeerRun:
+    """One process of one peer, from its start to its end, and what it wrote."""
+
+    name: str
+    kind: str  # "initial", "restart" or "newcomer"
+    started: float  # Unix time of the launch
+    download_mbit: float
+    events: list[dict] = dataclasses.field(default_factory=list)
+    steps: list[list[float]] = dataclasses.field(default_factory=list)  # bench.probe's [time, samples, epoch after]
+    ended: float | None = None  # when it was killed, told to leave, found exited, or the window closed
+    ended_by: str | None = None  # "kill", "leave", "exit" (by itself) or "end"
+
+
+def own_round(record: dict) -> bool:
+    """A gradient round that took this peer's own samples (weight > 0: not catching up) with at least one groupmate."""
+    return (
+        record["event"] == "averaged"
+        and record["kind"] == "gradients"
+        and (record.get("weight") or 0) > 0
+        and (record.get("group_size") or 0) >= 2
+    )
+
+
+def started_epoch(run: PeerRun) -> int | None:
+    """The global epoch the run began training at (its ``started`` event), else its first step's."""
+    epochs = [record["epoch"] for record in run.events if record["event"] == "started"]
+    if epochs:
+        return epochs[0]
+    return int(run.steps[0][2]) if run.steps else None
+
+
+def computed_samples(run: PeerRun, first: int, last: int) -> int:
+    """Samples the run computed while at epochs ``first`` to ``last - 1``, killed runs' partial epochs included.
+
+    A steps record's epoch is the one after its step, so a step belongs to the epoch its previous record ended at.
+    """
+    epoch, total = started_epoch(run), 0
+    for _, samples, after in run.steps:
+        if epoch is not None and first <= epoch < last:
+            total += int(samples)
+        epoch = int(after)
+    return total
+
+
+def contributed_epochs(events: Sequence[dict]) -> set[int]:
+    """Epochs whose gradient round took this run's own samples (``own_round``). A round belongs to the last
+    ``step_begun`` before its all-reduce began (its end minus its ``seconds``): hivemind triggers a step's round as
+    the step begins, and the next step's only after waiting for it, so a round that ends after the next step began
+    (it outlasted an epoch) still began before it."""
+    begun = [record for record in events if record["event"] == "step_begun"]
+    epochs = set()
+    for record in filter(own_round, events):
+        began = record["time"] - (record.get("seconds") or 0.0)
+        steps = [step["epoch"] for step in begun if step["time"] <= began]
+        if steps:
+            epochs.add(steps[-1])
+    return epochs
+
+
+def applied_samples(run: PeerRun, first: int, last: int) -> int:
+    """Samples of epochs ``first`` to ``last - 1`` that reached an applied update: those an ``epoch`` event reports for
+    the epoch just before it (not after a jump: a state download dropped them) while in sync (``published``), whose
+    gradient round took them (``contributed_epochs``). A peer catching up publishes nothing: its samples count
+    nowhere."""
+    contributed, epoch, total = contributed_epochs(run.events), started_epoch(run), 0
+    for record in run.events:
+        if record["event"] != "epoch":
+            continue
+        ended = epoch
+        if ended is not None and record["epoch"] == ended + 1 and first <= ended < last:
+            if record["published"] and ended in contributed:
+                total += int(record["samples"])
+        epoch = record["epoch"]
+    return total
+
+
+def goodput(runs: Sequence[PeerRun], first: int, last: int) -> float | None:
+    """Applied samples over computed samples of every run, over epochs ``first`` to ``last - 1``."""
+    computed = sum(computed_samples(run, first, last) for run in runs)
+    return sum(applied_samples(run, first, last) for run in runs) / computed if computed else None
+
+
+def epoch_starts(runs: Sequence[PeerRun]) -> dict[int, float]:
+    """Each global epoch's start: the first time any peer's ``epoch`` event reached it."""
+    starts: dict[int, float] = {}
+    for run in runs:
+        for record in run.events:
+            if record["event"] == "epoch":
+                starts[record["epoch"]] = min(starts.get(record["epoch"], math.inf), record["time"])
+    return starts
+
+
+def epoch_durations(starts: dict[int, float], first: int, last: int) -> list[float]:
+    """Seconds of epochs ``first`` to ``last - 1``, each from its start to the next one's (where both are known)."""
+    return [starts[e + 1] - starts[e] for e in range(first, last) if e in starts and e + 1 in starts]
+
+
+def stall_count(durations: Sequence[float]) -> int:
+    """Epochs that took over ``STALL_FACTOR`` times the median epoch."""
+    if not durations:
+        return 0
+    median = statistics.median(durations)
+    return sum(duration > STALL_FACTOR * median for duration in durations)
+
+
+def first_contribution(run: PeerRun) -> float | None:
+    """When the run's first ``own_round`` ended: it became productive."""
+    return min((record["time"] for record in run.events if own_round(record)), default=None)
+
+
+def loaded_bytes(run: PeerRun) -> int | None:
+    """The state's bytes from the run's first ``state_loaded`` event; None where it downloaded none."""
+    return next((record["bytes"] for record in run.events if record["event"] == "state_loaded"), None)
+
+
+def fair_chance_s(bound_s: float) -> float:
+    """How long a join must have run before a failure to become productive counts against it."""
+    return JOIN_GOAL * bound_s + STARTUP_ALLOWANCE_S
+
+
+def join_outcome(run: PeerRun, state_bytes: int | None) -> bool | None:
+    """True when the join became productive, False when it did not though it had a fair chance (or exited by
+    itself), None when the schedule or the run's end stopped it before (it counts neither way). ``state_bytes`` is
+    the swarm's state size, for a run that died before its own download ended."""
+    if first_contribution(run) is not None:
+        return True
+    if run.ended_by == "exit":
+        return False
+    size = loaded_bytes(run) or state_bytes
+    bound = transfer_bound_s(size, run.download_mbit) if size else 0.0
+    lived = (run.ended if run.ended is not None else math.inf) - run.started
+    return None if lived < fair_chance_s(bound) else False
+
+
+def join_seconds_vs_bound(run: PeerRun) -> float | None:
+    """A productive join's time from its ``joined`` event (its DHT is up and it asks for the state; the process's
+    start when it wrote none) to its first own round, over its state download's bound: the state's bytes on the
+    wire (``STATE_WIRE_FRACTION`` of ``state_loaded``'s) through its download link. None where it downloaded
+    nothing or never became productive."""
+    productive, size = first_contribution(run), loaded_bytes(run)
+    if productive is None or not size:
+        return None
+    joined = next((record["time"] for record in run.events if record["event"] == "joined"), run.started)
+    return (productive - joined) / transfer_bound_s(size * STATE_WIRE_FRACTION, run.download_mbit)
+
+
+def join_phases(run: PeerRun) -> dict[str, float]:
+    """Where a join's time went, in seconds: from its start to its ``joined`` event (the process's start and the
+    DHT's), its download (``state_loaded``'s ``seconds``), and from its ``started`` event to its first own round."""
+    first = {}
+    for record in run.events:
+        first.setdefault(record["event"], record)
+    phases = {}
+    if "joined" in first:
+        phases["start_to_joined"] = first["joined"]["time"] - run.started
+    if "state_loaded" in first:
+        phases["download"] = first["state_loaded"]["seconds"]
+    productive = first_contribution(run)
+    if "started" in first and productive is not None:
+        phases["started_to_round"] = productive - first["started"]["time"]
+    return phases
+
+
+def summarize(runs: Sequence[PeerRun], first: int, last: int) -> dict:
+    """The figures of one run over the measured epochs ``first`` to ``last - 1``; joins are the runs that are not
+    the initial peers."""
+    sizes = [size for size in map(loaded_bytes, runs) if size]
+    state_bytes = int(statistics.median(sizes)) if sizes else None
+    joins = [run for run in runs if run.kind != "initial"]
+    outcomes = [join_outcome(run, state_bytes) for run in joins]
+    ratios = sorted(r for r in map(join_seconds_vs_bound, joins) if r is not None)
+    durations = epoch_durations(epoch_starts(runs), first, last)
+    computed = sum(computed_samples(run, first, last) for run in runs)
+    applied = sum(applied_samples(run, first, last) for run in runs)
+    tried = sum(outcome is not None for outcome in outcomes)
+    phases = [join_phases(run) for run, outcome in zip(joins, outcomes, strict=True) if outcome]
+    names = ("start_to_joined", "download", "started_to_round")
+    values = {name: [phase[name] for phase in phases if name in phase] for name in names}
+    medians = {name: statistics.median(found) if found else None for name, found in values.items()}
+    productive = sum(outcome is True for outcome in outcomes)
+    return {
+        "goodput": applied / computed if computed else None,
+        "join_success": productive / tried if tried else None,
+        "join_tries": tried,
+        "join_productive": productive,
+        "joins_without_fair_chance": sum(outcome is None for outcome in outcomes),
+        "join_seconds_vs_bound": statistics.median(ratios) if ratios else None,
+        "join_seconds_vs_bound_max": ratios[-1] if ratios else None,
+        "join_phases_median_s": medians,
+        "stalls": stall_count(durations),
+        "epoch_median_s": statistics.median(durations) if durations else None,
+        "epoch_max_s": max(durations, default=None),
+        "epochs_measured": len(durations),
+        "samples_computed": computed,
+        "samples_applied": applied,
+        "state_bytes": state_bytes,
+    }
+
+
+def history_totals(records: Sequence[dict]) -> dict:
+    """Runs, join tries and productive joins added up over ``--history``'s records, and their ratio."""
+    tried = sum(record.get("join_tries") or 0 for record in records)
+    productive = sum(record.get("join_productive") or 0 for record in records)
+    return {
+        "history_runs": len(records),
+        "history_join_tries": tried,
+        "history_join_productive": productive,
+        "history_join_success": productive / tried if tried else None,
+    }
+
+
+def link_rate(index: int) -> tuple[float, float]:
+    """The ``index``-th peer's (upload, download) Mbit/s: ``LINK_RATES`` in turn."""
+    return LINK_RATES[index % len(LINK_RATES)]
+
+
+class EventTail:
+    """A growing events file read incrementally: complete lines only, each parsed once."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.records = Path(path), 0, []
+
+    def read(self) -> list[dict]:
+        """The records added since the last read (all are kept in ``records``)."""
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                data = file.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # a last line still being written is read next time
+        self.offset += end
+        text = data[:end].decode("ascii", errors="replace")
+        new = [json.loads(line) for line in text.split("\n") if line.strip()]
+        self.records.extend(new)
+        return new
+
+
+def read_steps(path: Path) -> list[list[float]]:
+    """bench.probe's records; a last line cut short by a SIGKILL is left out."""
+    records = []
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+class RunDeadline(Exception):
+    """The run's own deadline (``--max_minutes``) passed."""
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """``"peer3"`` -> ``("peer", 3)``, ``"new5"`` -> ``("new", 5)``."""
+    kind = "peer" if key.startswith("peer") else "new"
+    return kind, int(key[len(kind) :])
+
+
+class Swarm:
+    """The peers of one run: regular peers ``peerR`` (namespace ``1 + R``), newcomers ``newN`` (namespace
+    ``1 + peers + N % NEWCOMER_SLOTS``), every process recorded as a PeerRun as it starts; ``tick`` keeps the books.
+    """
+
+    def __init__(self, network: HubNetwork, plan: Plan, log_dir: Path, prefix: str, join: list[str], deadline: float):
+        self.network, self.plan, self.log_dir, self.prefix, self.join = network, plan, log_dir, prefix, join
+        self.deadline = deadline  # time.monotonic() of the run's end
+        self.began = time.monotonic()
+        self.processes: list[LocalProcess] = []  # every process started: children()'s list, which stops them
+        self.live: dict[str, tuple[LocalProcess, PeerRun, EventTail]] = {}
+        self.leaving: dict[str, LocalProcess] = {}  # newcomers told to leave, maybe still shutting down
+        self.runs: list[PeerRun] = []
+        self.files: dict[str, tuple[Path, Path]] = {}  # run name -> its events and steps files
+        self.epoch = -1  # the swarm's global epoch: the highest any peer reached
+        self.pending_restarts: dict[int, int] = {}  # rank -> global epoch: regular peers that exited by themselves
+        self.counts = {"kills": 0, "restarts": 0, "newcomers": 0, "leaves": 0, "exits": 0}
+
+    def namespace(self, key: str) -> int:
+        kind, number = split_key(key)
+        return 1 + number if kind == "peer" else 1 + self.plan.peers + number % NEWCOMER_SLOTS
+
+    def start(self, key: str, kind: str) -> None:
+        """Start peer ``key`` in its namespace as a new run of kind ``kind``."""
+        number, index = split_key(key)[1], self.namespace(key)
+        upload, download = link_rate(number)
+        if kind == "newcomer":
+            self.network.set_peer_rate(index, upload, download)  # the newcomers' slots take every speed in turn
+        name = f"{key}.{sum(run.name.startswith(key + '.') for run in self.runs)}"
+        steps, events = self.log_dir / f"{name}.steps.jsonl", self.log_dir / f"{name}.events.jsonl"
+        output = self.log_dir / f"{name}.out"
+        steps.unlink(missing_ok=True)
+        shutil.rmtree(output, ignore_errors=True)  # a newcomer has nothing on disk
+        flags = [
+            *("--experiment_prefix", self.prefix, "--target_batch_size", str(self.plan.target_batch_size)),
+            *("--host_maddrs", f"/ip4/{self.network.peers[index].address}/tcp/0", *self.join),
+            *("--identity_path", str(self.log_dir / f"{key}.key"), "--output_dir", str(output)),
+            *("--bandwidth", f"{upload:g}"),
+        ]
+        if key == f"peer{self.plan.peers - 1}":
+            module, args = "bench.swarm", ["peer", steps, SLOWDOWN, *flags]
+        else:
+            module, args = "bench.probe", [steps, *flags]
+        run = PeerRun(name, kind, time.time(), download)
+        process = Child(
+            module,
+            args,
+            self.log_dir / f"{name}.log",
+            self.deadline - time.monotonic() + 120,
+            env=ONE_THREAD,
+            netns=self.network.peers[index].netns,
+            events_path=events,
+        )
+        self.processes.append(process)
+        self.runs.append(run)
+        self.files[name] = (events, steps)
+        self.live[key] = (process, run, EventTail(events))
+
+    def end(self, key: str, how: str) -> None:
+        """``key``'s run ends now (``how``): a kill is a SIGKILL of its process group, a leave a SIGTERM (a clean
+        shutdown), the end of the window a SIGKILL."""
+        process, run, _ = self.live.pop(key)
+        run.ended, run.ended_by = time.time(), how
+        if how == "kill":
+            process.crash()
+        elif how == "leave":
+            process.process.send_signal(signal.SIGTERM)
+            self.leaving[key] = process
+        elif how == "end":
+            process.kill()
+
+    def do(self, action: Action, progress: Callable[[str], None]) -> None:
+        """Carry out one action of the schedule (a kill of a peer that is down already does nothing)."""
+        key = f"{'new' if action.kind in ('leave', 'newcomer') else 'peer'}{action.who}"
+        if action.kind == "kill" and key in self.live:
+            self.end(key, "kill")
+            self.counts["kills"] += 1
+        elif action.kind == "restart" and key not in self.live:
+            self.pending_restarts.pop(action.who, None)
+            self.start(key, "restart")
+            self.counts["restarts"] += 1
+        elif action.kind == "leave" and key in self.live:
+            self.end(key, "leave")
+            self.counts["leaves"] += 1
+        elif action.kind == "newcomer":
+            self.free_namespace(self.namespace(key))
+            self.start(key, "newcomer")
+            self.counts["newcomers"] += 1
+        else:
+            return
+        progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: {action.kind} {key}")
+
+    def free_namespace(self, index: int) -> None:
+        """SIGKILL a leaver still shutting down in namespace ``index``: its slot is wanted."""
+        for key, process in list(self.leaving.items()):
+            if self.namespace(key) == index:
+                process.kill()
+                del self.leaving[key]
+
+    def tick(self) -> None:
+        """Read the new events, note processes that exited by themselves (a regular peer then restarts
+        ``RESTART_EPOCHS`` later), start the restarts due; RunDeadline once the run's deadline passed."""
+        for key, (process, _, tail) in list(self.live.items()):
+            for record in tail.read():
+                if record["event"] == "epoch":
+                    self.epoch = max(self.epoch, record["epoch"])
+            if not process.running():
+                self.end(key, "exit")
+                self.counts["exits"] += 1
+                kind, number = split_key(key)
+                if kind == "peer":
+                    self.pending_restarts[number] = self.epoch + RESTART_EPOCHS
+        for rank, due in list(self.pending_restarts.items()):
+            if self.epoch >= due and f"peer{rank}" not in self.live:
+                del self.pending_restarts[rank]
+                self.start(f"peer{rank}", "restart")
+                self.counts["restarts"] += 1
+        if time.monotonic() > self.deadline:
+            raise RunDeadline(f"the run's deadline passed at global epoch {self.epoch}")
+
+    def wait(self, condition: Callable[[], bool], seconds: float, what: str) -> None:
+        """Tick until ``condition()`` holds; TimeoutError after ``seconds``."""
+        until = time.monotonic() + seconds
+        while True:
+            self.tick()
+            if condition():
+                return
+            if time.monotonic() > until:
+                raise TimeoutError(f"timed out after {seconds:.0f} s waiting for {what}")
+            time.sleep(POLL_S)
+
+    def has(self, key: str, event: str) -> bool:
+        """Whether ``key``'s live run wrote ``event``."""
+        return key in self.live and any(record["event"] == event for record in self.live[key][2].records)
+
+    def finish(self) -> None:
+        """Close the window: every process is killed, every live run ended by the end; then every run's files are
+        read in full."""
+        for key in list(self.live):
+            self.end(key, "end")
+        for process in self.leaving.values():
+            process.kill()
+        for run in self.runs:
+            events, steps = self.files[run.name]
+            run.events, run.steps = read_events(events), read_steps(steps)
+
+
+def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Form the swarm, run the schedule over ``plan.epochs`` measured epochs, and return the figures."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in ("peer*", "new*", "monitor.*", "metrics.jsonl"):  # an earlier run's files and identities
+        for path in log_dir.glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    slow = plan.peers - 1
+    schedule = churn_schedule(
+        plan.seed, plan.peers, plan.epochs, plan.hour_epochs, plan.newcomer_every, spared=(slow,)
+    )
+    began = time.monotonic()
+    deadline = began + plan.max_minutes * 60
+    prefix = f"swarm{int(time.time())}"
+    first = last = truncated = None
+    with hub_network(1 + plan.peers + NEWCOMER_SLOTS, FAST_MBIT, FAST_MBIT, prefix="swarm", subnet="10.80.0") as net:
+        with children() as started:
+            monitor = Child(
+                "run_training_monitor",
+                [
+                    *("--experiment_prefix", prefix, "--host_maddrs", f"/ip4/{net.peers[0].address}/tcp/0"),
+                    *("--refresh_period", "5", "--metrics_path", log_dir / "metrics.jsonl"),
+                ],
+                log_dir / "monitor.log",
+                plan.max_minutes * 60 + 120,
+                env=ONE_THREAD,
+                netns=net.peers[0].netns,
+                events_path=log_dir / "monitor.events.jsonl",
+            )
+            started.append(monitor)
+            swarm = Swarm(net, plan, log_dir, prefix, monitor.join_flags(180), deadline)
+            swarm.processes = started  # stopped when the block ends, however it ends
+            try:
+                swarm.start("peer0", "initial")
+                swarm.wait(lambda: swarm.has("peer0", "started"), 300, "the first peer to start training")
+                progress("the first peer trains; the others join")
+                for rank in range(1, plan.peers):
+                    swarm.start(f"peer{rank}", "initial")
+                everyone = [f"peer{rank}" for rank in range(plan.peers)]
+                swarm.wait(lambda: all(swarm.has(key, "started") for key in everyone), 900, "every peer training")
+                for rank in range(plan.peers):
+                    net.set_peer_rate(1 + rank, *link_rate(rank))
+                first = max(swarm.epoch, 0) + WARMUP_EPOCHS  # -1: no global step yet
+                progress(f"the swarm formed at epoch {swarm.epoch}, links shaped; measuring from epoch {first}")
+                swarm.wait(lambda: swarm.epoch >= first, 600, f"global epoch {first}")
+                for action in schedule:
+                    target = first + action.epoch
+                    swarm.wait(lambda target=target: swarm.epoch >= target, 600, f"global epoch {target}")
+                    swarm.do(action, progress)
+                last = first + plan.epochs
+                swarm.wait(lambda: swarm.epoch >= last + SETTLE_EPOCHS, 600, f"global epoch {last + SETTLE_EPOCHS}")
+            except (RunDeadline, TimeoutError) as e:
+                truncated = str(e)
+                progress(f"stopped early: {e}")
+                if first is not None:
+                    last = min(last or math.inf, swarm.epoch)
+            swarm.finish()
+            monitor_alive = monitor.running()
+    figures = summarize(swarm.runs, first, last) if first is not None and last is not None and last > first else {}
+    return {
+        **figures,
+        "peers": plan.peers,
+        **swarm.counts,
+        "epochs": plan.epochs,
+        "first_epoch": first,
+        "last_epoch": last,
+        "wall_s": time.monotonic() - began,
+        "hour_epochs": plan.hour_epochs,
+        "kill_rate_per_hour": KILL_RATE,
+        "newcomer_every": plan.newcomer_every,
+        "slowdown": SLOWDOWN,
+        "slow_peer": f"peer{slow}",
+        "link_rates_mbit": [list(rate) for rate in LINK_RATES],
+        "target_batch_size": plan.target_batch_size,
+        "seed": plan.seed,
+        "monitor_alive": monitor_alive,
+        "truncated": truncated,
+    }
+
+
+def slow_down(factor: float) -> None:
+    """Make this process's training ``factor`` times slower: after each ``hivemind.Optimizer.step``, sleep
+    ``factor - 1`` times the time since the previous step returned (the forward and backward; the step itself, which
+    may wait for a round or a download, is not stretched)."""
+    import hivemind
+
+    original = hivemind.Optimizer.step
+    returned: list[float] = []
+
+    def step(self, *args, **kwargs):
+        called = time.monotonic()
+        result = original(self, *args, **kwargs)
+        if returned:
+            time.sleep((factor - 1) * (called - returned[-1]))
+        returned[:] = [time.monotonic()]
+        return result
+
+    hivemind.Optimizer.step = step
+
+
+def run_peer(argv: Sequence[str]) -> int:
+    """``python -m bench.swarm peer STEPS.jsonl FACTOR [trainer flags]``: bench.probe's peer, FACTOR times slower."""
+    from bench.probe import instrument
+
+    instrument(argv[0])
+    slow_down(float(argv[1]))
+    import run_trainer
+
+    return run_trainer.main(list(argv[2:]))
+
+
+def report_lines(figures: dict, totals: dict) -> list[str]:
+    """The human lines: each figure beside its goal, then the counts."""
+    lines = []
+    for name, goal in GOALS.items():
+        value = figures.get(name)
+        shown = "n/a" if value is None else f"{value:.4g}"
+        sign = ">=" if name in ("goodput", "join_success") else "<="
+        lines.append(f"{name}: {shown} (goal {sign} {goal})")
+    lines.append(
+        f"joins: {figures.get('join_productive')} of {figures.get('join_tries')} productive "
+        f"({figures.get('joins_without_fair_chance')} stopped before a fair chance); across "
+        f"{totals['history_runs']} runs: {totals['history_join_productive']} of {totals['history_join_tries']}"
+    )
+    phases = figures.get("join_phases_median_s") or {}
+    lines.append(
+        "a productive join's median seconds: "
+        + ", ".join(f"{name} {'n/a' if value is None else f'{value:.1f}'}" for name, value in phases.items())
+        + f"; epochs: median {figures.get('epoch_median_s') or 0:.1f} s, max {figures.get('epoch_max_s') or 0:.1f} s"
+    )
+    counts = ("peers", "kills", "restarts", "newcomers", "leaves", "exits", "epochs", "hour_epochs")
+    lines.append(", ".join(f"{name} {figures.get(name)}" for name in counts) + f", wall {figures['wall_s']:.0f} s")
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["peer"]:
+        return run_peer(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m bench.swarm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 6 peers, 15 epochs, a few minutes")
+    for name, what in (
+        ("peers", "regular peers"),
+        ("epochs", "measured global epochs"),
+        ("hour_epochs", "global epochs in an hour-equivalent"),
+        ("newcomer_every", "epochs between newcomers"),
+        ("target_batch_size", "samples per global epoch"),
+        ("max_minutes", "the whole run's deadline, start-up included"),
+    ):
+        default, quick = getattr(FULL, name), getattr(QUICK, name)
+        kind = float if isinstance(default, float) else int
+        parser.add_argument(f"--{name}", type=kind, help=f"{what} (default {default:g}, quick {quick:g})")
+    parser.add_argument("--seed", type=int, help="the churn schedule's seed (default: the time)")
+    parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/swarm"), help="every process's log")
+    parser.add_argument(
+        "--history", type=Path, default=Path("outputs/bench/swarm_history.jsonl"), help="join counts of every run"
+    )
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    chosen = {field.name: getattr(args, field.name) for field in dataclasses.fields(Plan)}
+    plan = dataclasses.replace(plan, **{key: value for key, value in chosen.items() if value is not None})
+    if args.seed is None:
+        plan = dataclasses.replace(plan, seed=int(time.time()))
+    if plan.peers < 4 or plan.epochs < 2:
+        parser.error("--peers must be 4 or more and --epochs 2 or more")
+    if min(plan.hour_epochs, plan.newcomer_every, plan.target_batch_size, plan.max_minutes) <= 0:
+        parser.error("--hour_epochs, --newcomer_every, --target_batch_size and --max_minutes must be positive")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups: children, network namespaces
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        print("network namespaces need root and iproute2's `ip`: not measured")
+        print(json.dumps({"skipped": "network namespaces need root and iproute2"}))
+        return 0
+    try:
+        figures = run(plan, args.log_dir, progress)
+    except NamespacesUnavailable as e:
+        print(f"not measured: {e}")
+        print(json.dumps({"skipped": str(e)}))
+        return 0
+    args.history.parent.mkdir(parents=True, exist_ok=True)
+    record = {key: figures.get(key) for key in ("join_tries", "join_productive", "goodput", "stalls", "peers")}
+    with open(args.history, "a") as file:
+        file.write(json.dumps({"time": time.time(), "seed": plan.seed, "quick": args.quick, **record}) + "\n")
+    totals = history_totals(read_json_lines(args.history))
+    for line in report_lines(figures, totals):
+        print(line)
+    print(json.dumps(rounded({**figures, **totals})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
