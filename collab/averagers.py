@@ -383,6 +383,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             reason = state_refusal(metadata, tensors, expected_shapes, optimizer_metadata, self.local_epoch, max_epoch)
             if reason is None:
                 self._apply_state(metadata, tensors[: len(parameters)], tensors[len(parameters) :], parameters)
+                self.download_tries = tries + 1  # for the state_loaded event
                 return True
             logger.warning("Refused the state of peer %s: %s; trying another peer", donor, reason)
         logger.warning("No acceptable state in %d tries; keeping this peer's own", MAX_DONORS_PER_LOAD)

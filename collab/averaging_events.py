@@ -163,4 +163,5 @@ class OptimizerEventsMixin:
                 epoch_before=epoch_before,
                 bytes=state_bytes(chain(parameters, optimizer_state)),
                 seconds=round(time.monotonic() - started, 3),
+                tries=getattr(averager, "download_tries", None),
             )

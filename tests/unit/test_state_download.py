@@ -189,6 +189,7 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
         executor.submit(newcomer.load_state_from_peers, timeout=10).result(timeout=LOAD_BOUND)
         assert time.monotonic() - started < LOAD_BOUND
         assert newcomer.local_epoch == 7 and newcomer.scheduler._step_count == 8
+        assert newcomer.download_tries == 3  # the liar of epoch 9, the one of epoch 8, then the honest donor
         assert [group["weight_decay"] for group in newcomer.optimizer.param_groups] == [0.0]  # its own
         for param in newcomer.main_parameters:
             assert torch.equal(param, torch.ones_like(param))
