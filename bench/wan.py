@@ -456,25 +456,31 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 rate_mbit=SETTING.link_mbit,
             )
             progress(f"wan: shadow {mode}")
-    alone = {mode: runs[SHADOW_ALONE_RUN[mode]] for mode in SHADOW_ALONE_RUN if mode in runs}
-    together = {
-        mode: _public(runs[mode])
-        | {
-            "alone": _public(alone[mode]),
-            "efficiency": ratio(runs[mode]["samples_per_second"], alone[mode]["samples_per_second"]),
-            # a synchronous step is a global epoch, a low-communication one an inner step
-            "bits_per_param_per_step": traffic_bits(runs[mode], numel, per_epoch=mode == "sync"),
-        }
-        for mode in alone
-    }
     return {
         "params": numel,
         "micro_batch_s": micro_s,
         "rate_mbit": SETTING.link_mbit,
         "local_steps": SHADOW_LOCAL_STEPS,
         **({"alone": _public(runs["alone"])} if "alone" in runs else {}),
-        **together,
+        **shadow_together(runs, numel),
     }
+
+
+def shadow_together(runs: dict, numel: int) -> dict:
+    """Each together run of the shadow way with its alone run, efficiency (None where ``--shadow_modes`` left the
+    alone run out) and traffic."""
+    together = {}
+    for mode, alone_run in SHADOW_ALONE_RUN.items():
+        if mode not in runs:
+            continue
+        alone = runs.get(alone_run)
+        together[mode] = _public(runs[mode]) | {
+            "alone": alone and _public(alone),
+            "efficiency": alone and ratio(runs[mode]["samples_per_second"], alone["samples_per_second"]),
+            # a synchronous step is a global epoch, a low-communication one an inner step
+            "bits_per_param_per_step": traffic_bits(runs[mode], numel, per_epoch=mode == "sync"),
+        }
+    return together
 
 
 WAYS = {"rate_scaled": rate_scaled, "shadow": shadow}

@@ -258,3 +258,16 @@ def test_the_shadow_inner_step_moves_the_parameters_once_a_round():
         inner.step()
         moved.append(round(float((model.weight.detach() - before[0]).mean()), 6))
     assert moved == [-0.5, -0.5, -0.5, -1.0, -1.0, -1.0]  # one step of 0.5 per 3 calls, at the round's first
+
+
+def test_shadow_runs_without_their_alone_run_keep_their_figures_without_an_efficiency():
+    from bench.wan import shadow_together
+
+    def run(samples_per_second):  # one peer's window: 1000 inner steps, 250 MB sent and received
+        return {"samples_per_second": samples_per_second, "epochs": [10], "records": [1000], "link_bytes": [250e6]}
+
+    lowcomm_only = shadow_together({"lowcomm": run(148.0)}, numel=125_000_000)
+    assert lowcomm_only["lowcomm"]["efficiency"] is None and lowcomm_only["lowcomm"]["alone"] is None
+    assert lowcomm_only["lowcomm"]["bits_per_param_per_step"] == pytest.approx(250e6 * 8 / 125e6 / 1000)
+    both = shadow_together({"lowcomm_alone": run(150.0), "lowcomm": run(120.0)}, numel=125_000_000)
+    assert both["lowcomm"]["efficiency"] == pytest.approx(0.8) and set(both) == {"lowcomm"}
