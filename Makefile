@@ -47,7 +47,9 @@ lint: setup
 # Figures, not tests: about 22 minutes on 2 cores plus well over an hour for the emulated WAN, whose alone runs
 # per variant are long at H 50 (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md; python -m bench --quick: a
 # short smoke run; python -m bench --only PART: one part). Needs root for the network namespaces of the shaped-link
-# and wan parts; without them those parts are reported as skipped.
+# and wan parts; without them those parts are reported as skipped. The swarm scenarios run on their own:
+# python -m bench.swarm (16 peers with churn, about 30 minutes) and python -m bench.join (a 124M-parameter state
+# over 40 Mbit/s, about 10 minutes).
 bench: setup
 	$(PY) -m bench
 
