@@ -37,6 +37,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -87,6 +88,7 @@ class Plan:
     hour_epochs: int = HOUR_EPOCHS
     newcomer_every: int = 4
     target_batch_size: int = 1024
+    trainer_flags: tuple[str, ...] = ()  # given to every peer after the bench's own (``--trainer_flags``)
     max_minutes: float = 45.0  # the whole run, start-up included
     seed: int = 0
 
@@ -467,6 +469,7 @@ class Swarm:
             *("--host_maddrs", f"/ip4/{self.network.peers[index].address}/tcp/0", *self.join),
             *("--identity_path", str(self.log_dir / f"{key}.key"), "--output_dir", str(output)),
             *("--bandwidth", f"{upload:g}"),
+            *self.plan.trainer_flags,
         ]
         if key == f"peer{self.plan.peers - 1}":
             module, args = "bench.swarm", ["peer", steps, SLOWDOWN, *flags]
@@ -649,6 +652,7 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
         "slow_peer": f"peer{slow}",
         "link_rates_mbit": [list(rate) for rate in LINK_RATES],
         "target_batch_size": plan.target_batch_size,
+        "trainer_flags": " ".join(plan.trainer_flags),
         "seed": plan.seed,
         "monitor_alive": monitor_alive,
         "truncated": truncated,
@@ -728,6 +732,9 @@ def main(argv=None) -> int:
         kind = float if isinstance(default, float) else int
         parser.add_argument(f"--{name}", type=kind, help=f"{what} (default {default:g}, quick {quick:g})")
     parser.add_argument("--seed", type=int, help="the churn schedule's seed (default: the time)")
+    parser.add_argument(
+        "--trainer_flags", default="", help='more run_trainer.py flags for every peer, e.g. "--matchmaking_time 10"'
+    )
     parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/swarm"), help="every process's log")
     parser.add_argument(
         "--history", type=Path, default=Path("outputs/bench/swarm_history.jsonl"), help="join counts of every run"
@@ -736,6 +743,7 @@ def main(argv=None) -> int:
     plan = QUICK if args.quick else FULL
     chosen = {field.name: getattr(args, field.name) for field in dataclasses.fields(Plan)}
     plan = dataclasses.replace(plan, **{key: value for key, value in chosen.items() if value is not None})
+    plan = dataclasses.replace(plan, trainer_flags=tuple(shlex.split(args.trainer_flags)))
     if args.seed is None:
         plan = dataclasses.replace(plan, seed=int(time.time()))
     if plan.peers < 4 or plan.epochs < 2:
