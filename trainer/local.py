@@ -40,6 +40,24 @@ def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+CANCELLATIONS = ("asyncio.exceptions.CancelledError", "concurrent.futures._base.CancelledError")
+
+
+def tracebacks_from_our_code(log: str) -> list[str]:
+    """The tracebacks in ``log`` that pass through this project's code and end in an error there. A cancellation is
+    not one: hivemind logs a round cut by a timeout (a groupmate died) with the CancelledError that reached whatever
+    was waiting, our all-reduce runner included."""
+    ours = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')
+    found = []
+    for chunk in log.split("Traceback (most recent call last):")[1:]:
+        frames = chunk.split("\n\n")[0]
+        # the exception's line is the first one after the frames, which are indented
+        raised = next((line for line in frames.splitlines() if line and not line[0].isspace()), "")
+        if ours.search(frames) and raised.strip() not in CANCELLATIONS:
+            found.append(chunk)
+    return found
+
+
 def events_path_for(log_path: Path) -> Path:
     """Where a process logging to ``log_path`` writes its events: ``A.log`` -> ``A.events.jsonl``."""
     return Path(log_path).with_suffix(".events.jsonl")
@@ -117,9 +135,7 @@ class LocalProcess:
 
     def tracebacks_from_our_code(self) -> list[str]:
         """Tracebacks in the log that pass through this project's code (hivemind logs its own network errors)."""
-        ours = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')
-        chunks = self.log().split("Traceback (most recent call last):")[1:]
-        return [chunk for chunk in chunks if ours.search(chunk.split("\n\n")[0])]
+        return tracebacks_from_our_code(self.log())
 
     def averaging_group_sizes(self) -> list[int]:
         """Group size of every completed gradient-averaging round."""
