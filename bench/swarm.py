@@ -742,8 +742,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     chosen = {field.name: getattr(args, field.name) for field in dataclasses.fields(Plan)}
+    chosen["trainer_flags"] = tuple(shlex.split(args.trainer_flags))  # one string on the command line
     plan = dataclasses.replace(plan, **{key: value for key, value in chosen.items() if value is not None})
-    plan = dataclasses.replace(plan, trainer_flags=tuple(shlex.split(args.trainer_flags)))
     if args.seed is None:
         plan = dataclasses.replace(plan, seed=int(time.time()))
     if plan.peers < 4 or plan.epochs < 2:
