@@ -28,9 +28,10 @@ demo: setup
 	$(PY) -m trainer.demo
 
 # One process: unit tests that time real hivemind averagers (matchmaking, late groupmates) failed when a second
-# pytest process shared the two cores (pytest-xdist, -n 2), so every test runs alone.
+# pytest process shared the two cores (pytest-xdist, -n 2), so every test runs alone. The slowest tests are listed
+# at the end: make test should take 15 minutes or less with its set-up.
 test: setup browser
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # The browser tests drive Debian's Chromium through Playwright (never `playwright install`, which downloads one).
 browser:

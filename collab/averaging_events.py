@@ -10,9 +10,10 @@ shares show in the figures. The counts live in the averager's own process, where
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -20,13 +21,79 @@ import torch
 
 from collab import events
 
+# Seconds a finished round waits for its last replies to other senders before it reports its traffic without them:
+# they are normally counted within milliseconds, and a sender that stopped reading must not keep the report back.
+REPLIES_WAIT_SECONDS = 10.0
+
 
 @dataclass
 class RoundTraffic:
-    """Serialized bytes of one round's messages, both directions."""
+    """Serialized bytes of one round's messages, both directions, and the replies this peer owes as a reducer.
+
+    This peer's own averaged parts can all be back while it still answers other senders' parts: every part received
+    is owed a reply until one is counted, and the round's traffic is complete once none is owed (``when_replied``)."""
 
     sent: int = 0
     received: int = 0
+    replies_owed: int = 0
+    _on_replied: Callable[[], None] | None = None
+
+    def owe(self, count: int) -> None:
+        self.replies_owed += count
+
+    def pay(self, count: int) -> None:
+        self.replies_owed -= count
+        if self.replies_owed <= 0:
+            self._fire()
+
+    def when_replied(self, callback: Callable[[], None], timeout: float) -> None:
+        """Call ``callback`` once no reply is owed, or after ``timeout`` seconds, whichever comes first; runs in the
+        round's event loop."""
+        self._on_replied = callback
+        if self.replies_owed <= 0:
+            self._fire()
+        else:
+            asyncio.get_running_loop().call_later(timeout, self._fire)
+
+    def _fire(self) -> None:
+        callback, self._on_replied = self._on_replied, None
+        if callback is not None:
+            callback()
+
+
+class ReplyLedger:
+    """One sender's stream at this reducer: counts its parts as received and owed, and the replies as sent and paid.
+    ``close`` when the stream ends: replies it will never get are owed no more, nor to parts that arrive after (a
+    prefetch can still read the stream of a sender refused mid-way)."""
+
+    def __init__(self, traffic: RoundTraffic):
+        self.traffic, self.owed, self.closed = traffic, 0, False
+
+    def received(self, size: int) -> None:
+        self.traffic.received += size
+        if not self.closed:
+            self.owed += 1
+            self.traffic.owe(1)
+
+    def replied(self, size: int) -> None:
+        self.traffic.sent += size
+        if self.owed:  # a refusal answers a part that was never owed a reply of its own
+            self.owed -= 1
+            self.traffic.pay(1)
+
+    def close(self) -> None:
+        owed, self.owed, self.closed = self.owed, 0, True
+        self.traffic.pay(owed)
+
+
+async def ledgered_replies(requests: AsyncIterator, reduce, ledger: ReplyLedger) -> AsyncIterator:
+    """``reduce(requests)``'s replies, with each request and reply entered in ``ledger``, closed when they end."""
+    try:
+        async for reply in reduce(counted(requests, ledger.received)):
+            ledger.replied(reply.ByteSize())
+            yield reply
+    finally:
+        ledger.close()
 
 
 async def counted(messages: AsyncIterator, add) -> AsyncIterator:
@@ -88,29 +155,32 @@ class TrafficCountingMixin:
         return counted(super()._generate_input_for_peer(peer_index), self._add_sent)
 
     def _accumulate_parts_streaming(self, stream: AsyncIterator, sender_index: int) -> AsyncIterator:
-        if getattr(self._servicer_type, "counts_wire_bytes", False):  # it counts this side's messages as sent
+        if getattr(self._servicer_type, "counts_wire_bytes", False):  # it keeps the ledger of this side's messages
             return super()._accumulate_parts_streaming(stream, sender_index)
-        return counted(
-            super()._accumulate_parts_streaming(counted(stream, self._add_received), sender_index), self._add_sent
-        )
+        reduce = super()._accumulate_parts_streaming
+        return ledgered_replies(stream, lambda requests: reduce(requests, sender_index), ReplyLedger(self.traffic))
 
     async def run(self) -> AsyncIterator:
         started, update_square = time.monotonic(), 0.0
         async for delta in super().run():
             update_square += update_norm(delta) ** 2
             yield delta
-        events.emit(
-            "averaged",
+        record = dict(
             kind=f"{self.round_kind}s",
             group_size=self.group_size,
             weight=self.weight,
             update_norm=round(math.sqrt(update_square), 6),
-            bytes_sent=self.traffic.sent,
-            bytes_received=self.traffic.received,
             seconds=round(time.monotonic() - started, 3),
             values_kept_local=self.values_kept_local(),
             senders_dropped=len(self.banned_senders),
         )
+        traffic = self.traffic
+
+        def report() -> None:
+            events.emit("averaged", bytes_sent=traffic.sent, bytes_received=traffic.received, **record)
+
+        # once this peer's replies to the other senders are counted too, without holding its step back
+        traffic.when_replied(report, REPLIES_WAIT_SECONDS)
 
 
 def update_norm(delta: torch.Tensor) -> float:

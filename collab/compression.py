@@ -48,7 +48,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
-from collab.averaging_events import RoundTraffic
+from collab.averaging_events import ReplyLedger, RoundTraffic
 from collab.hivemind_fixes import quantization_extract
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,8 @@ class WireAveragerMixin:
     Needed for ``SparseFloat16Wire`` parts and, without ``collab.hivemind_fixes``, 8-bit ones. hivemind's runner
     itself is unchanged: it sees uncompressed parts, so its averaging, refusals and timeouts apply as they are.
     Its traffic counts (``TrafficCountingMixin``) would see them uncompressed too, 4 bytes a value: this class counts
-    what it receives and answers as a reducer in their wire form instead (``counts_wire_bytes``).
+    what it receives and answers as a reducer in their wire form instead (``counts_wire_bytes``), in a
+    ``ReplyLedger`` per stream.
     """
 
     counts_wire_bytes = True
@@ -221,30 +222,34 @@ class WireAveragerMixin:
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_types = deque()  # the wire type of each received part, in order: the reply to part i comes i-th
 
-        traffic = None  # the round's counts, once its runner is known
+        ledger = None  # this stream's counts in the round's traffic, once its runner is known
 
         async def noting_part_types():
-            nonlocal traffic
+            nonlocal ledger
             async for request in stream:
-                if traffic is None:
-                    traffic = await self._round_traffic(request.group_id)
-                traffic.received += request.ByteSize()
+                if ledger is None:
+                    ledger = ReplyLedger(await self._round_traffic(request.group_id))
+                ledger.received(request.ByteSize())
                 part_types.append(request.tensor_part.compression)
                 yield request
 
         loop = asyncio.get_running_loop()
         raw_requests = amap_in_executor(as_raw_part, noting_part_types())
-        async for reply in super().rpc_aggregate_part(raw_requests, context):
-            if reply.code == averaging_pb2.AVERAGED_PART:
-                if not part_types:
-                    raise AllreduceException("a reply to a part that never arrived")
-                part_type = part_types.popleft()
-                delta = deserialize_torch_tensor(reply.tensor_part)  # uncompressed: no copy
-                tensor_part = await loop.run_in_executor(None, encode_reply, delta, part_type)
-                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=tensor_part)
-            if traffic is not None:
-                traffic.sent += reply.ByteSize()
-            yield reply
+        try:
+            async for reply in super().rpc_aggregate_part(raw_requests, context):
+                if reply.code == averaging_pb2.AVERAGED_PART:
+                    if not part_types:
+                        raise AllreduceException("a reply to a part that never arrived")
+                    part_type = part_types.popleft()
+                    delta = deserialize_torch_tensor(reply.tensor_part)  # uncompressed: no copy
+                    tensor_part = await loop.run_in_executor(None, encode_reply, delta, part_type)
+                    reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=tensor_part)
+                if ledger is not None:
+                    ledger.replied(reply.ByteSize())
+                yield reply
+        finally:
+            if ledger is not None:
+                ledger.close()
 
     async def _round_traffic(self, group_id: bytes):
         """The ``traffic`` of the runner of ``group_id`` (a throwaway count where there is none): found as hivemind's

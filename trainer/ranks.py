@@ -105,8 +105,8 @@ def training_device(ranks: Ranks | None = None) -> torch.device:
 @contextlib.contextmanager
 def process_group(ranks: Ranks, timeout: float | None) -> Iterator[None]:
     """torch.distributed among the peer's ranks for the ``with`` block (nothing for ``ALONE``): NCCL on GPUs, gloo on
-    CPUs. A collective that waits more than ``timeout`` seconds for another rank fails, and this rank exits (``timeout``
-    is None only for ``ALONE``)."""
+    CPUs. A collective that waits more than ``timeout`` seconds for another rank fails, and this rank exits
+    (``timeout`` is None only for ``ALONE``)."""
     global _joined
     if not ranks.distributed:
         yield

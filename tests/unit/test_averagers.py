@@ -171,3 +171,50 @@ def test_the_update_norm_counts_non_finite_averages_as_kept_local():
 
     assert update_norm(torch.tensor([3.0, 4.0], dtype=torch.float16)) == 5.0
     assert update_norm(torch.tensor([3.0, float("inf"), 4.0, float("nan")])) == 5.0
+
+
+def test_a_round_reports_its_traffic_once_its_replies_to_other_senders_are_counted():
+    """A peer's own averaged parts can all be back while it still answers other senders' parts (the last CI failure:
+    bytes_sent short by the replies still being encoded). The report waits for those, and only for those."""
+    from collab.averaging_events import ReplyLedger, RoundTraffic
+
+    async def scenario() -> list[tuple[int, int]]:
+        traffic, reports = RoundTraffic(), []
+        first, second = ReplyLedger(traffic), ReplyLedger(traffic)
+        for ledger in (first, first, second):
+            ledger.received(100)
+        first.replied(30)
+        traffic.when_replied(lambda: reports.append((traffic.sent, traffic.received)), timeout=60)
+        assert reports == []  # two replies still owed
+        first.replied(30)
+        assert reports == []
+        second.replied(30)  # the last one owed: reported at once, with it
+        second.replied(7)  # a message owed nothing (a refusal) changes no report
+        return reports
+
+    assert asyncio.run(scenario()) == [(90, 300)]
+
+
+def test_replies_a_sender_will_never_get_are_owed_no_more_and_a_silent_round_reports_after_its_timeout():
+    from collab.averaging_events import ReplyLedger, RoundTraffic
+
+    async def closed_stream() -> list[int]:
+        traffic, reports = RoundTraffic(), []
+        ledger = ReplyLedger(traffic)
+        ledger.received(100)
+        ledger.received(100)
+        ledger.close()  # the sender's stream failed: its two replies will never be sent
+        ledger.received(100)  # read ahead from the refused sender's stream after the close: owed nothing
+        traffic.when_replied(lambda: reports.append(traffic.received), timeout=60)
+        return reports
+
+    async def stuck_stream() -> tuple[list[int], list[int]]:
+        traffic, reports = RoundTraffic(), []
+        ReplyLedger(traffic).received(100)
+        traffic.when_replied(lambda: reports.append(traffic.sent), timeout=0.05)
+        before = list(reports)
+        await asyncio.sleep(0.5)
+        return before, reports
+
+    assert asyncio.run(closed_stream()) == [300]  # reported at once
+    assert asyncio.run(stuck_stream()) == ([], [0])
