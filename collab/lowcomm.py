@@ -49,11 +49,11 @@ def round_target_samples(local_steps: int, target_batch_size: int) -> int:
 # gradient round; a parameter round every second epoch brings it back within two (tests/integration/
 # test_parameter_rounds.py) at a quarter less traffic than every epoch (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
 SYNC_PARAMETER_ROUND_EVERY = 2
-# Low-communication mode: a parameter round carries the anchor and the outer momentum in fp16, 4 bytes a value, while
-# a pseudo-gradient round carries 2 (fp16), 1 (8bit) or a few percent of that (topk). Every second round, parameter
-# rounds were the link's largest load (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md); they only repair a peer
-# that missed a round, so they come as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes.
-PARAMETER_ROUND_BYTES_PER_VALUE = 4.0
+# Low-communication mode: a parameter round carries the anchor in fp16, 2 bytes a value, while a pseudo-gradient
+# round carries 2 (fp16), 1 (8bit) or a few percent of that (topk). Every second round, parameter rounds were the
+# link's largest load (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md); they only repair a peer that missed a
+# round, so they come as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes.
+PARAMETER_ROUND_BYTES_PER_VALUE = 2.0
 PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.12}
 PARAMETER_TRAFFIC_SHARE = 0.25
 MAX_PARAMETER_ROUND_EVERY = 32
@@ -258,8 +258,10 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
             target_batch_size=round_target_samples(local_steps, target_batch_size),
             grad_compression=codec.wire,
             grad_averager_factory=FiniteGradientAverager,  # replaced in _make_gradient_averager
-            # a parameter round repairs what a missed round left apart: the anchor and the outer momentum
-            average_opt_statistics=("momentum_buffer",),
+            # A parameter round repairs what a missed round left apart: the anchor only. The outer momentum needs no
+            # repair: every peer adds the same averaged pseudo-gradients to it, so a difference a missed round left
+            # shrinks by the momentum factor each round; averaging it too would double the round's bytes.
+            average_opt_statistics=(),
             **kwargs,
         )
 

@@ -214,6 +214,9 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
                 assert torch.allclose(anchor, expected, atol=1e-6)
                 assert torch.allclose(now, expected, atol=1e-6)
             assert sum((a - s).abs().sum().item() for a, s in zip(anchors, start, strict=True)) > 0
+            # a parameter round averages the anchors and nothing else: 2 bytes a parameter in fp16
+            with optimizer.state_averager.get_tensors() as averaged:
+                assert [t.shape for t in averaged] == [a.shape for a in anchors]
             # the monitor's download builds the same layout as a trainer that has stepped (else it refuses the state)
             monitor = build_state_averager(
                 AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
@@ -238,9 +241,9 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
 def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_between_pseudo_gradient_rounds():
     assert parameter_round_every(None, 0, "8bit") == 2
     # 4 bytes a value (anchor and momentum in fp16) at most a quarter of the pseudo-gradients' bytes per round
-    assert parameter_round_every(None, 10, "fp16") == 8  # 4 / (0.25 x 2)
-    assert parameter_round_every(None, 10, "8bit") == 16  # 4 / (0.25 x 1)
-    assert parameter_round_every(None, 50, "topk") == 32  # 4 / (0.25 x 0.12) = 134, capped
+    assert parameter_round_every(None, 10, "fp16") == 4  # 2 / (0.25 x 2)
+    assert parameter_round_every(None, 10, "8bit") == 8  # 2 / (0.25 x 1)
+    assert parameter_round_every(None, 50, "topk") == 32  # 2 / (0.25 x 0.12) = 67, capped
     assert parameter_round_every(3, 50, "topk") == 3  # the flag wins
     assert parameter_round_every(1, 0, "fp16") == 1
 
