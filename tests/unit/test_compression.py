@@ -258,10 +258,15 @@ def three_dhts() -> Iterator[list[hivemind.DHT]]:
 
 
 def average_in_one_round(
-    dhts, kind: str, contributions: list[list[torch.Tensor]], weights: list[float], averager_class=None
+    dhts,
+    kind: str,
+    contributions: list[list[torch.Tensor]],
+    weights: list[float],
+    averager_class=None,
+    client_modes: list[bool] | None = None,
 ):
-    """One all-reduce among ``WireAverager``s (or ``averager_class``) on ``make_codec(kind).wire``, one per DHT;
-    each peer's tensors after it."""
+    """One all-reduce among ``WireAverager``s (or ``averager_class``) on ``make_codec(kind).wire``, one per DHT (in
+    client mode where ``client_modes`` says so); each peer's tensors after it."""
     options = dict(
         prefix=f"wire_{kind}",
         target_group_size=len(dhts),
@@ -274,8 +279,10 @@ def average_in_one_round(
     )
     averagers = []
     try:
-        for dht, tensors in zip(dhts, contributions, strict=True):
-            averager = (averager_class or WireAverager)([tensor.clone() for tensor in tensors], dht=dht, **options)
+        for dht, tensors, client_mode in zip(dhts, contributions, client_modes or [False] * len(dhts), strict=True):
+            averager = (averager_class or WireAverager)(
+                [tensor.clone() for tensor in tensors], dht=dht, client_mode=client_mode, **options
+            )
             averagers.append(averager)
         when = get_dht_time() + 1.0
         steps = [
@@ -347,6 +354,32 @@ def test_a_round_on_the_8bit_wire_counts_about_one_byte_a_value_each_way(three_d
     for record in rounds:
         for direction in ("bytes_sent", "bytes_received"):
             assert 1.25 * values < record[direction] < 1.5 * values, (direction, record)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_accepts_no_connections_still_averages_with_the_others(three_dhts, tmp_path):
+    """A peer behind NAT or a firewall runs in client mode: it sends its parts and receives the averages over the
+    connections it opens, and reduces no part itself (the scenario in its own namespace: tests/integration/
+    test_relay.py, in make bench)."""
+    generator = torch.Generator().manual_seed(8)
+    contributions = [[torch.randn(2 * TOP_K_VALUES, generator=generator), torch.randn(1000)] for _ in range(3)]
+    expected = weighted_mean(contributions, [1.0, 1.0, 1.0])
+    events.open_event_log(tmp_path / "events.jsonl")
+    try:
+        results = average_in_one_round(
+            three_dhts, "fp16", contributions, [1.0, 1.0, 1.0], CountingWireAverager, client_modes=[False, False, True]
+        )
+    finally:
+        events.open_event_log(None)
+    for tensors in results:
+        for result, mean in zip(tensors, expected, strict=True):
+            assert (result - mean).abs().max() <= 2**-9 * mean.abs().max()
+    rounds = events.read_events(tmp_path / "events.jsonl", "averaged")
+    assert sorted(r["group_size"] for r in rounds) == [3, 3, 3]
+    # the client reduces nothing: what it receives is the averages of its own parts, as much as it sent
+    client = min(rounds, key=lambda r: r["bytes_received"])
+    assert client["bytes_received"] <= 1.05 * client["bytes_sent"]
+    assert all(r["bytes_received"] > 1.3 * client["bytes_received"] for r in rounds if r is not client)
 
 
 def test_every_codec_kind_is_built():
