@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/prepare_info.json
 
-.PHONY: setup data demo test test-unit lint clean browser bench
+.PHONY: setup data demo test test-unit lint clean browser bench scenarios
 
 setup: $(STAMP) $(SAMPLE)
 
@@ -29,9 +29,14 @@ demo: setup
 
 # One process: unit tests that time real hivemind averagers (matchmaking, late groupmates) failed when a second
 # pytest process shared the two cores (pytest-xdist, -n 2), so every test runs alone. The slowest tests are listed
-# at the end: make test should take 15 minutes or less with its set-up.
+# at the end: make test should take 15 minutes or less with its set-up. The scenarios in network namespaces (a
+# partition, a firewalled peer, a slow newcomer's link) run in make scenarios; each has a fast test here.
 test: setup browser
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -m "not scenario" --durations=25
+
+# Peers in network namespaces on shaped or cut links: root and `ip netns` (skipped with the reason otherwise).
+scenarios: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m scenario --durations=0
 
 # The browser tests drive Debian's Chromium through Playwright (never `playwright install`, which downloads one).
 browser:
@@ -45,13 +50,13 @@ test-unit: setup
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
-# Figures, not tests: about 22 minutes on 2 cores plus well over an hour for the emulated WAN, whose alone runs
-# per variant are long at H 50 (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md; python -m bench --quick: a
-# short smoke run; python -m bench --only PART: one part). Needs root for the network namespaces of the shaped-link
-# and wan parts; without them those parts are reported as skipped. The swarm scenarios run on their own:
-# python -m bench.swarm (16 peers with churn, about 30 minutes) and python -m bench.join (a 124M-parameter state
-# over 40 Mbit/s, about 10 minutes).
-bench: setup
+# Figures, after the scenarios (about 4 minutes): about 22 minutes on 2 cores plus well over an hour for the
+# emulated WAN, whose alone runs per variant are long at H 50 (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md;
+# python -m bench --quick: a short smoke run; python -m bench --only PART: one part). Needs root for the network
+# namespaces of the shaped-link and wan parts; without them those parts are reported as skipped. The swarm
+# scenarios run on their own: python -m bench.swarm (16 peers with churn, about 30 minutes) and python -m bench.join
+# (a 124M-parameter state over 40 Mbit/s, about 10 minutes).
+bench: setup scenarios
 	$(PY) -m bench
 
 clean:

@@ -18,7 +18,7 @@ import pytest
 
 from trainer.local import PeerProcess, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(600)]
 
 CUT_SECONDS = 25
 SETTINGS = [

@@ -19,7 +19,7 @@ import pytest
 from tests.integration.sites import hub_or_skip, peer_at
 from trainer.local import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(300)]
 
 JOIN_S = 60  # seconds for a peer's joined event (the relay slot is waited for before it)
 AVERAGE_S = 120  # seconds, from the firewalled peer's start, for it to average with another peer

@@ -20,7 +20,7 @@ import pytest
 from tests.integration.sites import hub_or_skip, peer_at
 from trainer.local import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(300)]
 
 LINK_MBIT = 4.0  # the state, about 6 MB in fp16, takes over 12 s: several of A's epochs
 JOIN_S = 60
