@@ -142,9 +142,6 @@ class TrafficCountingMixin:
         """Values this round left as this peer had them: the parts whose reducer failed."""
         return self.tensor_part_container.failed_size
 
-    def _add_received(self, size: int) -> None:
-        self.traffic.received += size
-
     def _get_peer_stub(self, peer):
         stub = super()._get_peer_stub(peer)
         if hasattr(stub, "wrap_wire_stub"):  # count the answers as they came, before they are decoded
