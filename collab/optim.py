@@ -228,11 +228,9 @@ def local_batch_size(training_args: TrainingArguments) -> int:
     return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
 
 
-# Values per model parameter in the largest averaging round and in the state a newcomer downloads, both fp16 on the
-# wire: parameter rounds and downloads always travel in fp16, and no gradient round is larger (8-bit: about 1 byte a
-# value). A round averages one value a parameter in both modes (gradients or parameters; pseudo-gradients or anchors).
-# The state is the parameters and Lamb's two moments; the low-communication mode's adds the outer momentum.
-ROUND_VALUES_PER_PARAMETER = 1
+# Values per model parameter in the state a newcomer downloads, fp16 on the wire as parameter rounds (one value a
+# parameter in both modes; no gradient round is larger: 8-bit is about 1 byte a value). The state is the parameters
+# and Lamb's two moments; the low-communication mode's adds the outer momentum.
 STATE_VALUES_PER_PARAMETER = {"sync": 3, "lowcomm": 4}
 
 
@@ -244,7 +242,6 @@ def collaboration_timeouts(
     mode = "lowcomm" if optimizer_args.local_steps > 0 else "sync"
     transfers = estimate_transfers(
         parameters=sum(param.numel() for param in model.parameters() if param.requires_grad),
-        round_values_per_parameter=ROUND_VALUES_PER_PARAMETER,
         state_values_per_parameter=STATE_VALUES_PER_PARAMETER[mode],
         bytes_per_value=FP16_BYTES,
         model_bytes=sum(param.numel() * param.element_size() for param in model.parameters()),

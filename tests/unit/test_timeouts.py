@@ -29,7 +29,6 @@ def transfers_100m(bandwidth_mbit: float = 40.0, group_size: int = 8):
     """The issue's case: 100M parameters, fp16 on the wire, the state = parameters + Lamb's two moments, fp32 model."""
     return estimate_transfers(
         parameters=100_000_000,
-        round_values_per_parameter=1,
         state_values_per_parameter=3,
         bytes_per_value=2,
         model_bytes=400_000_000,
@@ -63,7 +62,6 @@ def test_the_issue_s_gradient_round_of_100m_parameters_among_8_at_50_mbit_s_take
 def test_a_small_model_on_a_lan_keeps_today_s_defaults():
     transfers = estimate_transfers(
         parameters=5_000_000,
-        round_values_per_parameter=1,
         state_values_per_parameter=3,
         bytes_per_value=2,
         model_bytes=20_000_000,
