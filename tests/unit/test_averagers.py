@@ -212,8 +212,9 @@ def test_replies_a_sender_will_never_get_are_owed_no_more_and_a_silent_round_rep
         traffic, reports = RoundTraffic(), []
         ReplyLedger(traffic).received(100)
         traffic.when_replied(lambda: reports.append(traffic.sent), timeout=0.05)
-        before = list(reports)
-        await asyncio.sleep(0.5)
+        before, deadline = list(reports), asyncio.get_running_loop().time() + 10
+        while not reports and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         return before, reports
 
     assert asyncio.run(closed_stream()) == [300]  # reported at once
