@@ -104,6 +104,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from arguments import MetricsArguments, ProgressTrackerArguments
 from collab import events
+from collab.matchmaking import EpochMatchmaking, round_gather
 from collab.schema import honest_step
 
 logger = logging.getLogger(__name__)
@@ -385,10 +386,14 @@ class StaleRoundWatchdog:
 STALE_ROUNDS = StaleRoundWatchdog()
 
 
-def averager_step_marking_stale_time(self, *args, **kwargs):
+def averager_step_marking_stale_time(self, gather=None, *args, **kwargs):
     """hivemind's ``DecentralizedAverager.step``; a round it returns unfinished (``wait=False``) carries the time
-    after its trigger at which it counts as stale (``STALE_ROUND_FACTOR`` x this averager's matchmaking time)."""
-    result = _original_averager_step(self, *args, **kwargs)
+    after its trigger at which it counts as stale (``STALE_ROUND_FACTOR`` x this averager's matchmaking time). With
+    no ``gather``, an averager with a ``round_epoch`` source gathers its round's epoch (``collab.matchmaking``)."""
+    round_epoch = getattr(self, "round_epoch", None)
+    if gather is None and round_epoch is not None:
+        gather = round_gather(round_epoch())
+    result = _original_averager_step(self, gather, *args, **kwargs)
     if isinstance(result, StepControl):
         setattr(result, _STALE_AFTER, STALE_ROUND_FACTOR * self.matchmaking_kwargs["min_matchmaking_time"])
     return result
@@ -468,7 +473,8 @@ def quantization_extract(self, serialized_tensor) -> torch.Tensor:
 class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the fixes above that live in the averager: SIGINT kept, senders
     waiting for their group, declarations stored only when changed, rounds marked for the stale-round watchdog, and
-    a process that keeps its tasks and ends with its parent.
+    a process that keeps its tasks and ends with its parent, and rounds that meet only rounds of their epoch when
+    ``round_epoch`` (a callable giving the epoch of the round that ``step`` begins) is set (``collab.matchmaking``).
 
     Put it last among the bases (``class A(Mixin, GradientAverager, FixedDecentralizedAverager)``) so that it sits
     under hivemind's own subclasses, whose ``step`` is another method that calls this one. RPC handlers keep
@@ -484,12 +490,14 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
     _declare_for_download_periodically = declare_for_download_when_changed
     step = averager_step_marking_stale_time
+    round_epoch = None
 
     def run(self) -> None:
-        """The averager's own process: keeps its tasks (hivemind's module, in this process only) and ends with the
-        process that started it."""
+        """The averager's own process: keeps its tasks, matches rounds of one epoch only (hivemind's module, in this
+        process only) and ends with the process that started it."""
         exit_when_parent_dies(self._parent_pid)
         hivemind.averaging.averager.switch_to_uvloop = switch_to_uvloop_keeping_tasks
+        hivemind.averaging.averager.Matchmaking = EpochMatchmaking
         super().run()
 
 

@@ -1,0 +1,69 @@
+"""Averaging rounds that meet only rounds of their own epoch.
+
+hivemind's matchmaking pairs any two rounds of one averager that look for a group at the same time, whatever epoch
+each was for. A peer whose round of epoch e is late (it joined or restarted, its loop was slow) then meets the others'
+round of epoch e+1, averages its gradients with theirs, and every later round of it meets the next epoch's too: the
+peer stays one epoch out of step to the end, and its updates differ from the swarm's.
+
+A gradient averager with a ``round_epoch`` source (``FiniteGradientAverager``) puts its round's epoch into the data
+that hivemind gathers at matchmaking (``round_gather``), and a leader refuses a follower whose round names another
+epoch (``EpochMatchmaking``), so the late round finds no group and the stale-round watchdog gives it up. A round that
+names no epoch (plain hivemind peers, parameter rounds, benchmarks) meets any other, as in hivemind. A join request
+whose gathered data cannot be read is refused: hivemind would fail the whole group's round on it later.
+"""
+
+from __future__ import annotations
+
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
+
+ROUND_EPOCH = "round_epoch"  # the key of a round's epoch in the data its peer gathers
+MAX_EPOCH = 2**63 - 1
+
+
+def round_gather(epoch: int) -> dict:
+    """The data a peer gathers with its round of ``epoch`` (``DecentralizedAverager.step(gather=...)``)."""
+    return {ROUND_EPOCH: int(epoch)}
+
+
+def gathered_round_epoch(data_for_gather: bytes) -> int | None:
+    """The epoch named by a round's gathered data as hivemind sends it (``[bandwidth, mode, user data]``); None when
+    the user data names none. Raises ValueError when the data cannot be read or the epoch is not an int64."""
+    try:
+        _bandwidth, _mode, user_data = MSGPackSerializer.loads(data_for_gather)
+        gathered = MSGPackSerializer.loads(user_data)
+    except Exception as e:  # any decoding error: the bytes come from another peer
+        raise ValueError(f"unreadable gathered data: {e!r}") from e
+    if not isinstance(gathered, dict) or ROUND_EPOCH not in gathered:
+        return None
+    epoch = gathered[ROUND_EPOCH]
+    if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"{ROUND_EPOCH} {epoch!r} is not an epoch")
+    return epoch
+
+
+def rounds_may_meet(leader_epoch: int | None, follower_epoch: int | None) -> bool:
+    """Whether a leader's round and a follower's may average together: same epoch, or one names none."""
+    return leader_epoch is None or follower_epoch is None or leader_epoch == follower_epoch
+
+
+class EpochMatchmaking(Matchmaking):
+    """hivemind's ``Matchmaking`` whose leader also refuses followers of another epoch (module docstring), with
+    ``BAD_GROUP_KEY``: the follower goes on to the next potential leader, as for a group key that changed."""
+
+    def _check_reasons_to_reject(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> averaging_pb2.MessageFromLeader | None:
+        reason = super()._check_reasons_to_reject(request, context)
+        if reason is not None:
+            return reason
+        try:
+            follower_epoch = gathered_round_epoch(request.gather)
+        except ValueError:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        own_epoch = gathered_round_epoch(self.step_control.data_for_gather)
+        if not rounds_may_meet(own_epoch, follower_epoch):
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+        return None

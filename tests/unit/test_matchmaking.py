@@ -1,0 +1,124 @@
+"""Rounds meet only rounds of their own epoch (collab.matchmaking): the gathered epoch as hivemind sends it, and real
+averagers on two DHTs, beside plain hivemind, which pairs rounds of different epochs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.utils import MSGPackSerializer
+
+from collab.hivemind_fixes import FixedDecentralizedAverager, entry_point_patches_applied
+from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet
+from tests.local_dht import two_dhts
+from trainer.local import wait_until
+
+MATCHMAKING_TIME = 1.0  # seconds; a round still looking for a group 2.5 s after its trigger is given up
+
+
+def as_sent(user_data) -> bytes:
+    """A round's gathered data as hivemind's ``DecentralizedAverager.step`` serialises it."""
+    return MSGPackSerializer.dumps([1e8, 0, MSGPackSerializer.dumps(user_data)])
+
+
+def test_the_gathered_epoch_is_read_as_sent_and_anything_else_is_refused():
+    assert gathered_round_epoch(as_sent({"round_epoch": 7})) == 7
+    assert gathered_round_epoch(as_sent(round_gather(2**63 - 1))) == 2**63 - 1
+    assert gathered_round_epoch(as_sent(None)) is None  # plain hivemind and parameter rounds
+    assert gathered_round_epoch(as_sent({"other": 1})) is None
+    for epoch in (-1, 2**63, "7", 7.0, True, None, [7]):
+        with pytest.raises(ValueError, match="round_epoch"):
+            gathered_round_epoch(as_sent({"round_epoch": epoch}))
+    for garbage in (b"", b"\xc1", MSGPackSerializer.dumps([1.0, 0]), MSGPackSerializer.dumps([1.0, 0, b"\xc1"])):
+        with pytest.raises(ValueError, match="unreadable"):
+            gathered_round_epoch(garbage)
+
+
+def test_rounds_meet_when_their_epochs_match_or_one_names_none():
+    assert rounds_may_meet(3, 3) and rounds_may_meet(None, 3) and rounds_may_meet(3, None)
+    assert not rounds_may_meet(3, 4) and not rounds_may_meet(4, 3)
+
+
+def test_an_averager_with_an_epoch_source_gathers_its_rounds_epoch():
+    with two_dhts() as (dht, _):
+        averager = FixedDecentralizedAverager([torch.zeros(3)], dht=dht, prefix="tagged", start=True)
+        try:
+            averager.round_epoch = lambda: 12
+            control = averager.step(require_trigger=True, wait=False, timeout=30)
+            assert gathered_round_epoch(control.data_for_gather) == 12
+            control.cancel()
+        finally:
+            averager.shutdown()
+
+
+def averagers(dhts, classes, prefix: str) -> list[DecentralizedAverager]:
+    """One averager of each class on each DHT, holding 0.0 and 2.0."""
+    return [
+        averager_class(
+            [torch.full((1000,), value)],
+            dht=dht,
+            prefix=prefix,
+            target_group_size=2,
+            min_matchmaking_time=MATCHMAKING_TIME,
+            request_timeout=0.5,
+            start=True,
+        )
+        for dht, averager_class, value in zip(dhts, classes, (0.0, 2.0), strict=True)
+    ]
+
+
+def run_round(pair: list[DecentralizedAverager], epochs: tuple[int | None, int | None]) -> list[int | None]:
+    """One round, each averager gathering its epoch and triggered at once: each one's group size, None when given up
+    (the stale-round watchdog) or failed."""
+    controls = [
+        averager.step(
+            gather=None if epoch is None else round_gather(epoch), require_trigger=True, wait=False, timeout=20
+        )
+        for averager, epoch in zip(pair, epochs, strict=True)
+    ]
+    for control in controls:
+        control.allow_allreduce()
+    wait_until(lambda: all(control.done() for control in controls), 30, "both rounds to end")
+    return [None if control.cancelled() or control.exception() else len(control.result()) for control in controls]
+
+
+def values(averager: DecentralizedAverager) -> float:
+    with averager.get_tensors() as (tensor,):
+        return float(tensor.mean())
+
+
+@pytest.mark.timeout(120)
+def test_rounds_of_different_epochs_do_not_average_and_rounds_of_one_epoch_do():
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        pair = averagers(dhts, [FixedDecentralizedAverager] * 2, "epochs")
+        try:
+            assert run_round(pair, (3, 4)) == [None, None]
+            assert [values(averager) for averager in pair] == [0.0, 2.0]
+            assert run_round(pair, (5, 5)) == [2, 2]
+            assert [values(averager) for averager in pair] == [1.0, 1.0]
+        finally:
+            for averager in pair:
+                averager.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_plain_hivemind_averages_rounds_of_different_epochs_together():
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        pair = averagers(dhts, [DecentralizedAverager] * 2, "plain_epochs")
+        try:
+            assert run_round(pair, (3, 4)) == [2, 2]
+            assert [values(averager) for averager in pair] == [1.0, 1.0]
+        finally:
+            for averager in pair:
+                averager.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_round_that_names_an_epoch_averages_with_a_plain_hivemind_peer():
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        pair = averagers(dhts, [FixedDecentralizedAverager, DecentralizedAverager], "mixed")
+        try:
+            assert run_round(pair, (3, None)) == [2, 2]
+        finally:
+            for averager in pair:
+                averager.shutdown()
