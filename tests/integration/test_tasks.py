@@ -61,14 +61,12 @@ def task_data(tmp_path_factory) -> Path:
 
 
 # Lamb moves each tensor by about learning_rate x its norm per step: fine-tuning wants far smaller steps than
-# pre-training's default 0.2. 64 samples per global step, so enough steps fit in the test's time (the delayed
-# optimizer step applies each update one global step late). 16 global steps: at 8, runs ended at a training loss of
-# 0.44-0.55 and a CI run reached only 0.72 accuracy; at 12, a CI run reached 0.60 (training loss 0.37, no reload, no
-# round given up) where others reached 0.90-0.96; at 16, three runs on a loaded machine passed.
+# pre-training's default 0.2. The rate decays to 0 at the last step, so the model scored has stopped moving: at a
+# constant rate, its held-out accuracy varied from run to run across the test's 0.8.
 LEARNING_RATE = {
     "seq-cls": [
-        *["--learning_rate", "0.01", "--warmup_steps", "0", "--total_steps", "1000"],
-        *["--target_batch_size", "64", "--max_steps", "16"],
+        *["--learning_rate", "0.02", "--warmup_steps", "0", "--total_steps", "12"],
+        *["--target_batch_size", "64", "--max_steps", "12"],
     ]
 }
 
