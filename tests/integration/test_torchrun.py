@@ -27,7 +27,6 @@ SETTINGS = [
     *("--target_batch_size", "128", "--matchmaking_time", "1", "--averaging_timeout", "15"),
     *("--per_device_train_batch_size", str(BATCH)),
 ]
-SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}  # three training processes on a 2-core machine
 SYNCED_EPOCHS = 3
 SHUTDOWN_BOUND = 60  # seconds from SIGTERM to torchrun's exit: rank 0's clean shutdown (deadline 25 s), then the rest
 EXIT_BOUND = 60  # seconds from SIGKILL of a rank to the peer's exit: torchrun stops the others, gloo sees it gone
@@ -75,14 +74,14 @@ def assert_ranks_agree(peer: LocalProcess, epochs: set[int]) -> None:
 
 def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_rank_dies(tmp_path, sample_data):
     common = ["--experiment_prefix", f"torchrun{int(time.time())}", *SETTINGS]
-    a = PeerProcess([*common, "--output_dir", str(tmp_path / "A")], tmp_path / "A.log", env=SINGLE_THREAD)
+    a = PeerProcess([*common, "--output_dir", str(tmp_path / "A")], tmp_path / "A.log")
     peers = [a]
     try:
         join = a.join_flags(120)
 
         def torchrun_peer(name: str) -> LocalProcess:
             argv = [*common, *join, "--output_dir", str(tmp_path / name)]
-            peers.append(PeerProcess(argv, tmp_path / f"{name}.log", SINGLE_THREAD, launcher=TWO_RANKS))
+            peers.append(PeerProcess(argv, tmp_path / f"{name}.log", launcher=TWO_RANKS))
             return peers[-1]
 
         t = torchrun_peer("T")

@@ -1,8 +1,13 @@
-"""trainer.local's reading of a child's log: which tracebacks are errors in this project's code."""
+"""trainer.local: the environment of the processes it starts, and its reading of a child's log (which tracebacks
+are errors in this project's code)."""
 
 from __future__ import annotations
 
-from trainer.local import ROOT, tracebacks_from_our_code
+from pathlib import Path
+
+import pytest
+
+from trainer.local import ROOT, LocalProcess, tracebacks_from_our_code, wait_until
 
 OURS = f'  File "{ROOT}/collab/averagers.py", line 190, in _run_allreduce_inplace_\n    async for x in runner:\n'
 HIVEMIND = f'  File "{ROOT}/.venv/lib/python3.11/site-packages/hivemind/averaging/averager.py", line 530, in _step\n'
@@ -21,3 +26,28 @@ def test_an_error_raised_through_our_frames_is_reported_and_a_cancellation_is_no
     assert tracebacks_from_our_code(cancelled + chained + theirs) == []
     found = tracebacks_from_our_code(cancelled + bug + theirs)
     assert len(found) == 1 and "TypeError" in found[0]
+
+
+def started_with_threads(tmp_path: Path, env: dict | None, monkeypatch, outer: str | None) -> str:
+    """OMP_NUM_THREADS in the environment of a process LocalProcess started (``outer``: the caller's own value)."""
+    if outer is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", outer)
+    child = LocalProcess(["-n", "1", "import time; time.sleep(30)"], tmp_path / "child.log", env, module="timeit")
+    try:
+        environ = Path(f"/proc/{child.process.pid}/environ")
+        wait_until(lambda: b"OMP_NUM_THREADS=" in environ.read_bytes(), 10, "the child's environment")
+        variables = dict(item.split(b"=", 1) for item in environ.read_bytes().split(b"\0") if b"=" in item)
+        return variables[b"OMP_NUM_THREADS"].decode()
+    finally:
+        child.stop()
+
+
+@pytest.mark.parametrize(
+    ("env", "outer", "expected"), [(None, None, "1"), (None, "4", "4"), ({"OMP_NUM_THREADS": "2"}, "4", "2")]
+)
+def test_processes_sharing_the_machine_get_one_thread_unless_told_otherwise(
+    tmp_path, monkeypatch, env, outer, expected
+):
+    assert started_with_threads(tmp_path, env, monkeypatch, outer) == expected
