@@ -216,10 +216,11 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
 
     round_kind = "gradient"
 
-    def __init__(self, *args, holds_swarm_state=None, round_epoch=None, **kwargs):
+    def __init__(self, *args, holds_swarm_state=None, round_epoch=None, swarm_epoch=None, **kwargs):
         self.holds_swarm_state = holds_swarm_state  # before hivemind starts the averager's process, which reads it
         super().__init__(*args, **kwargs)
-        self.round_epoch = round_epoch  # read in this process only: its rounds meet only rounds of their epoch
+        # read in this process only: rounds meet only rounds of their epoch, and are given up by the swarm's epoch
+        self.round_epoch, self.swarm_epoch = round_epoch, swarm_epoch
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
         """Downloads nothing. hivemind's ``Optimizer.load_state_from_peers`` downloads a donor's gradient buffers here
@@ -583,14 +584,16 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         return super().step(*args, **kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
-        """The factory's averager, sharing ``holds_swarm_state`` and tagging each round with the epoch it averages:
-        the local epoch when the round is scheduled or begun, before the step that ends that epoch."""
+        """The factory's averager, sharing ``holds_swarm_state``, tagging each round with the epoch it averages (the
+        local epoch when the round is scheduled or begun, before the step that ends that epoch) and giving up a round
+        once the swarm's epoch shows that its group formed without this peer."""
         state_averager = self.state_averager
         return super()._make_gradient_averager(
             partial(
                 factory,
                 holds_swarm_state=state_averager.holds_swarm_state,
                 round_epoch=lambda: state_averager.local_epoch,
+                swarm_epoch=lambda: self.tracker.global_epoch,
             ),
             **kwargs,
         )

@@ -83,8 +83,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import InvalidStateError
+from dataclasses import dataclass
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind.averaging.averager
@@ -318,18 +319,44 @@ async def declare_for_download_when_changed(self) -> None:
             await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, wake_at - get_dht_time()))
 
 
-STALE_ROUND_FACTOR = 2.5  # matchmaking_times after its trigger that a round may still be looking for a group
+STALE_ROUND_FACTOR = 2.5  # matchmaking_times after its trigger that a round of no epoch may still look for a group
 STALE_ROUND_CHECK_PERIOD = 0.1  # seconds between two looks at the triggered rounds
-_STALE_AFTER = "_collab_stale_after"  # on a StepControl: seconds after its trigger that it counts as stale
+_ROUND_WATCH = "_collab_round_watch"  # on a StepControl: its RoundWatch
 _original_averager_step = hivemind.averaging.averager.DecentralizedAverager.step
 _original_allow_allreduce = StepControl.allow_allreduce
 _original_step_control_cancel = StepControl.cancel
 
 
-def is_stale_round(stage: AveragingStage, done: bool, seconds_since_trigger: float, stale_after: float) -> bool:
-    """Whether a triggered round should be given up: still looking for a group ``stale_after`` seconds after this
-    peer allowed it to run, when its own epoch's group would have assembled long before."""
-    return not done and stage == AveragingStage.LOOKING_FOR_GROUP and seconds_since_trigger >= stale_after
+@dataclass(frozen=True)
+class RoundWatch:
+    """What the stale-round watchdog knows of a round: seconds after its trigger that a round of no epoch may look
+    for a group; for a round that meets only rounds of its epoch (``collab.matchmaking``), that epoch and a callable
+    giving the swarm's epoch now."""
+
+    stale_after: float
+    epoch: int | None = None
+    swarm_epoch: Callable[[], int] | None = None
+
+
+def is_stale_round(
+    stage: AveragingStage,
+    done: bool,
+    seconds_since_trigger: float,
+    stale_after: float,
+    round_epoch: int | None = None,
+    swarm_epoch: int | None = None,
+) -> bool:
+    """Whether a triggered round still looking for a group should be given up.
+
+    A round of epoch e that meets only rounds of e: once the swarm is at epoch e+2, where the others have begun the
+    round of e+1, so the round of e formed without this peer. Until then it may still be forming (a large swarm on busy
+    machines takes longer than any fixed time) and it cannot meet another epoch's round. A round of no epoch: after
+    ``stale_after`` seconds, when its own epoch's group would have assembled long before."""
+    if done or stage != AveragingStage.LOOKING_FOR_GROUP:
+        return False
+    if round_epoch is not None and swarm_epoch is not None:
+        return swarm_epoch >= round_epoch + 2
+    return seconds_since_trigger >= stale_after
 
 
 class StaleRoundWatchdog:
@@ -338,13 +365,13 @@ class StaleRoundWatchdog:
 
     def __init__(self, period: float | None = STALE_ROUND_CHECK_PERIOD):
         self.period = period
-        self._rounds: dict[StepControl, tuple[float, float]] = {}  # control -> (trigger time, stale after)
+        self._rounds: dict[StepControl, tuple[float, RoundWatch]] = {}  # control -> (trigger time, what is known)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def watch(self, control: StepControl, stale_after: float) -> None:
+    def watch(self, control: StepControl, watch: RoundWatch) -> None:
         with self._lock:
-            self._rounds[control] = (time.monotonic(), stale_after)
+            self._rounds[control] = (time.monotonic(), watch)
             if self._thread is None and self.period is not None:
                 self._thread = threading.Thread(target=self._run, name="stale-round-watchdog", daemon=True)
                 self._thread.start()
@@ -356,19 +383,24 @@ class StaleRoundWatchdog:
         now, cancelled = time.monotonic(), []
         with self._lock:
             rounds = list(self._rounds.items())
-        for control, (triggered_at, stale_after) in rounds:
-            done = control.done()
-            stale = is_stale_round(control.stage, done, now - triggered_at, stale_after)
+        for control, (triggered_at, watch) in rounds:
+            done, seconds = control.done(), now - triggered_at
+            swarm_epoch = None if watch.swarm_epoch is None else watch.swarm_epoch()
+            stale = is_stale_round(control.stage, done, seconds, watch.stale_after, watch.epoch, swarm_epoch)
             if stale:
                 control.cancel()
                 cancelled.append(control)
+                if watch.epoch is not None and swarm_epoch is not None:
+                    reason = f"the swarm is at epoch {swarm_epoch}: this round's group (epoch {watch.epoch}) formed"
+                else:
+                    reason = "its epoch's group formed"
                 logger.warning(
-                    "Gave up an averaging round still looking for a group %.1f s after this peer was ready: its "
-                    "epoch's group formed without it, and waiting would pair it with a later epoch's round. This "
-                    "epoch goes on with this peer's own values",
-                    now - triggered_at,
+                    "Gave up an averaging round still looking for a group %.1f s after this peer was ready: %s "
+                    "without it. This epoch goes on with this peer's own values",
+                    seconds,
+                    reason,
                 )
-                events.emit("round_given_up", seconds=now - triggered_at)
+                events.emit("round_given_up", seconds=seconds)
             if done or stale:
                 with self._lock:
                     self._rounds.pop(control, None)
@@ -387,15 +419,18 @@ STALE_ROUNDS = StaleRoundWatchdog()
 
 
 def averager_step_marking_stale_time(self, gather=None, *args, **kwargs):
-    """hivemind's ``DecentralizedAverager.step``; a round it returns unfinished (``wait=False``) carries the time
-    after its trigger at which it counts as stale (``STALE_ROUND_FACTOR`` x this averager's matchmaking time). With
-    no ``gather``, an averager with a ``round_epoch`` source gathers its round's epoch (``collab.matchmaking``)."""
-    round_epoch = getattr(self, "round_epoch", None)
+    """hivemind's ``DecentralizedAverager.step``; a round it returns unfinished (``wait=False``) carries what the
+    stale-round watchdog needs (``RoundWatch``). With no ``gather``, an averager with a ``round_epoch`` source gathers
+    its round's epoch (``collab.matchmaking``) and is watched by the swarm's epoch (its ``swarm_epoch`` source)."""
+    epoch, round_epoch = None, getattr(self, "round_epoch", None)
     if gather is None and round_epoch is not None:
-        gather = round_gather(round_epoch())
+        epoch = round_epoch()
+        gather = round_gather(epoch)
     result = _original_averager_step(self, gather, *args, **kwargs)
     if isinstance(result, StepControl):
-        setattr(result, _STALE_AFTER, STALE_ROUND_FACTOR * self.matchmaking_kwargs["min_matchmaking_time"])
+        stale_after = STALE_ROUND_FACTOR * self.matchmaking_kwargs["min_matchmaking_time"]
+        swarm_epoch = None if epoch is None else getattr(self, "swarm_epoch", None)
+        setattr(result, _ROUND_WATCH, RoundWatch(stale_after, epoch, swarm_epoch))
     return result
 
 
@@ -414,9 +449,9 @@ def cancel_once(self) -> bool:
 def allow_allreduce_watching_for_staleness(self) -> None:
     """hivemind's ``StepControl.allow_allreduce`` (this peer's trigger); the round is then watched for staleness."""
     _original_allow_allreduce(self)
-    stale_after = getattr(self, _STALE_AFTER, None)
-    if stale_after is not None:
-        STALE_ROUNDS.watch(self, stale_after)
+    watch = getattr(self, _ROUND_WATCH, None)
+    if watch is not None:
+        STALE_ROUNDS.watch(self, watch)
 
 
 PARENT_CHECK_PERIOD = 1.0  # seconds between two checks that a hivemind child's parent is still alive
@@ -473,8 +508,9 @@ def quantization_extract(self, serialized_tensor) -> torch.Tensor:
 class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the fixes above that live in the averager: SIGINT kept, senders
     waiting for their group, declarations stored only when changed, rounds marked for the stale-round watchdog, and
-    a process that keeps its tasks and ends with its parent, and rounds that meet only rounds of their epoch when
-    ``round_epoch`` (a callable giving the epoch of the round that ``step`` begins) is set (``collab.matchmaking``).
+    a process that keeps its tasks and ends with its parent. With ``round_epoch`` (a callable giving the epoch of the
+    round that ``step`` begins) its rounds meet only rounds of their epoch (``collab.matchmaking``), and with
+    ``swarm_epoch`` (a callable giving the swarm's epoch) they are given up by epoch, not by time (``is_stale_round``).
 
     Put it last among the bases (``class A(Mixin, GradientAverager, FixedDecentralizedAverager)``) so that it sits
     under hivemind's own subclasses, whose ``step`` is another method that calls this one. RPC handlers keep
@@ -491,6 +527,7 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     _declare_for_download_periodically = declare_for_download_when_changed
     step = averager_step_marking_stale_time
     round_epoch = None
+    swarm_epoch = None
 
     def run(self) -> None:
         """The averager's own process: keeps its tasks, matches rounds of one epoch only (hivemind's module, in this

@@ -401,6 +401,17 @@ def test_a_round_is_stale_only_while_it_still_looks_for_a_group_after_its_time()
     assert not hivemind_fixes.is_stale_round(looking, done=True, seconds_since_trigger=60.0, stale_after=4.0)
 
 
+def test_a_round_of_one_epoch_is_stale_once_the_swarm_has_begun_the_next_epochs_round():
+    looking, running = AveragingStage.LOOKING_FOR_GROUP, AveragingStage.RUNNING_ALLREDUCE
+    # the swarm at 8: the others' round of 7 may still be forming, whatever the time
+    assert not hivemind_fixes.is_stale_round(looking, False, 600.0, stale_after=4.0, round_epoch=7, swarm_epoch=8)
+    assert hivemind_fixes.is_stale_round(looking, False, 0.0, stale_after=4.0, round_epoch=7, swarm_epoch=9)
+    assert not hivemind_fixes.is_stale_round(running, False, 0.0, stale_after=4.0, round_epoch=7, swarm_epoch=9)
+    assert not hivemind_fixes.is_stale_round(looking, True, 0.0, stale_after=4.0, round_epoch=7, swarm_epoch=9)
+    # no swarm epoch known (a peer without a tracker): by time
+    assert hivemind_fixes.is_stale_round(looking, False, 4.0, stale_after=4.0, round_epoch=7, swarm_epoch=None)
+
+
 @pytest.fixture
 def entry_point_patches():
     """The StepControl patches of the stale-round watchdog, as a program's entry point applies them."""
@@ -440,6 +451,25 @@ def test_a_round_that_finds_no_group_is_given_up_after_two_and_a_half_matchmakin
 
 
 @pytest.mark.timeout(120)
+def test_a_round_of_one_epoch_waits_for_its_group_until_the_swarm_is_two_epochs_on(entry_point_patches):
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = matched_averager(dht, 1.0, prefix="epoch_watch")
+    swarm = {"epoch": 8}
+    averager.round_epoch, averager.swarm_epoch = (lambda: 7), (lambda: swarm["epoch"])
+    try:
+        step = averager.step(require_trigger=True, wait=False, timeout=60)
+        step.allow_allreduce()
+        time.sleep(2 * hivemind_fixes.STALE_ROUND_FACTOR * STALE_TEST_MATCHMAKING)
+        assert not step.done(), "a round of epoch 7 was given up while the swarm was at epoch 8"
+        swarm["epoch"] = 9
+        wait_until(step.done, timeout=5, what="the round to be given up at epoch 9", poll=0.1)
+        assert step.cancelled()
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
 def test_a_round_is_not_given_up_while_it_waits_for_a_late_groupmate(entry_point_patches):
     """The first peer triggers before its group has assembled, the second 3 s later (more than the 2.5 s after which a
     round still looking for a group is given up): the group formed in time, so both average."""
@@ -466,7 +496,7 @@ def test_a_round_whose_all_reduce_failed_and_went_back_to_matchmaking_is_still_g
     control.attach(trigger, cancel)
     watchdog = hivemind_fixes.StaleRoundWatchdog(period=None)
     control.stage = AveragingStage.RUNNING_ALLREDUCE
-    watchdog.watch(control, stale_after=0.0)
+    watchdog.watch(control, hivemind_fixes.RoundWatch(stale_after=0.0))
     assert watchdog.check() == [] and not control.done(), "an all-reduce under way was given up"
     control.stage = AveragingStage.LOOKING_FOR_GROUP  # the all-reduce failed and hivemind retries matchmaking
     assert watchdog.check() == [control] and control.cancelled()
