@@ -216,11 +216,11 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
 
     round_kind = "gradient"
 
-    def __init__(self, *args, holds_swarm_state=None, round_epoch=None, swarm_epoch=None, **kwargs):
+    def __init__(self, *args, holds_swarm_state=None, round_epoch=None, tracked_swarm_epoch=None, **kwargs):
         self.holds_swarm_state = holds_swarm_state  # before hivemind starts the averager's process, which reads it
         super().__init__(*args, **kwargs)
         # read in this process only: rounds meet only rounds of their epoch, and are given up by the swarm's epoch
-        self.round_epoch, self.swarm_epoch = round_epoch, swarm_epoch
+        self.round_epoch, self.tracked_swarm_epoch = round_epoch, tracked_swarm_epoch
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
         """Downloads nothing. hivemind's ``Optimizer.load_state_from_peers`` downloads a donor's gradient buffers here
@@ -537,6 +537,10 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         fresh = self.state_averager.swarm_epoch()
         return self.tracker.global_epoch if fresh is None else max(self.tracker.global_epoch, fresh)
 
+    def _tracked_swarm_epoch(self) -> int:
+        """The swarm's epoch as the progress tracker sees it now: the stale-round watchdog's, read every 0.1 s."""
+        return self.tracker.global_epoch
+
     def _begin_catching_up(self, state_epoch: int, swarm_epoch: int) -> None:
         """Train on from a downloaded state of ``state_epoch``, older than ``swarm_epoch``, without letting it into
         the swarm.
@@ -593,7 +597,7 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
                 factory,
                 holds_swarm_state=state_averager.holds_swarm_state,
                 round_epoch=lambda: state_averager.local_epoch,
-                swarm_epoch=lambda: self.tracker.global_epoch,
+                tracked_swarm_epoch=self._tracked_swarm_epoch,
             ),
             **kwargs,
         )
@@ -623,8 +627,9 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
         )
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        """hivemind's ``Optimizer._make_state_averager``, with ``state_averager_class`` and its own options."""
-        return self.state_averager_class(
+        """hivemind's ``Optimizer._make_state_averager``, with ``state_averager_class`` and its own options; its rounds
+        are given up by the swarm's epoch (``collab.hivemind_fixes.is_stale_round``)."""
+        averager = self.state_averager_class(
             **self._state_averager_options(),
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
@@ -641,3 +646,5 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
             start=True,
             **kwargs,
         )
+        averager.tracked_swarm_epoch = self._tracked_swarm_epoch  # its parameter rounds given up by epoch
+        return averager

@@ -329,13 +329,12 @@ _original_step_control_cancel = StepControl.cancel
 
 @dataclass(frozen=True)
 class RoundWatch:
-    """What the stale-round watchdog knows of a round: seconds after its trigger that a round of no epoch may look
-    for a group; for a round that meets only rounds of its epoch (``collab.matchmaking``), that epoch and a callable
-    giving the swarm's epoch now."""
+    """What the stale-round watchdog knows of a round: seconds after its trigger that a round of no known epoch may
+    look for a group; the epoch it averages, if known, and a callable giving the swarm's epoch now."""
 
     stale_after: float
     epoch: int | None = None
-    swarm_epoch: Callable[[], int] | None = None
+    tracked_swarm_epoch: Callable[[], int] | None = None
 
 
 def is_stale_round(
@@ -348,10 +347,11 @@ def is_stale_round(
 ) -> bool:
     """Whether a triggered round still looking for a group should be given up.
 
-    A round of epoch e that meets only rounds of e: once the swarm is at epoch e+2, where the others have begun the
-    round of e+1, so the round of e formed without this peer. Until then it may still be forming (a large swarm on busy
-    machines takes longer than any fixed time) and it cannot meet another epoch's round. A round of no epoch: after
-    ``stale_after`` seconds, when its own epoch's group would have assembled long before."""
+    A round of a known epoch e (a gradient round of e, or the parameter round after it): once the swarm is at epoch
+    e+2, where the others have begun the rounds that end e+1, so this round's group formed without this peer. Until
+    then it may still be forming: a large swarm on busy machines takes longer than any fixed time, and a gradient round
+    cannot meet another epoch's (``collab.matchmaking``). A round of no known epoch: after ``stale_after`` seconds,
+    when its own epoch's group would have assembled long before."""
     if done or stage != AveragingStage.LOOKING_FOR_GROUP:
         return False
     if round_epoch is not None and swarm_epoch is not None:
@@ -385,7 +385,7 @@ class StaleRoundWatchdog:
             rounds = list(self._rounds.items())
         for control, (triggered_at, watch) in rounds:
             done, seconds = control.done(), now - triggered_at
-            swarm_epoch = None if watch.swarm_epoch is None else watch.swarm_epoch()
+            swarm_epoch = None if watch.tracked_swarm_epoch is None else watch.tracked_swarm_epoch()
             stale = is_stale_round(control.stage, done, seconds, watch.stale_after, watch.epoch, swarm_epoch)
             if stale:
                 control.cancel()
@@ -421,16 +421,19 @@ STALE_ROUNDS = StaleRoundWatchdog()
 def averager_step_marking_stale_time(self, gather=None, *args, **kwargs):
     """hivemind's ``DecentralizedAverager.step``; a round it returns unfinished (``wait=False``) carries what the
     stale-round watchdog needs (``RoundWatch``). With no ``gather``, an averager with a ``round_epoch`` source gathers
-    its round's epoch (``collab.matchmaking``) and is watched by the swarm's epoch (its ``swarm_epoch`` source)."""
+    its round's epoch (``collab.matchmaking``). A round of a known epoch is watched by the swarm's epoch when the
+    averager has a ``tracked_swarm_epoch`` source."""
     epoch, round_epoch = None, getattr(self, "round_epoch", None)
     if gather is None and round_epoch is not None:
         epoch = round_epoch()
         gather = round_gather(epoch)
+    elif type(gather) is int:  # hivemind's parameter rounds gather the epoch their step begins, after the one averaged
+        epoch = gather - 1
     result = _original_averager_step(self, gather, *args, **kwargs)
     if isinstance(result, StepControl):
         stale_after = STALE_ROUND_FACTOR * self.matchmaking_kwargs["min_matchmaking_time"]
-        swarm_epoch = None if epoch is None else getattr(self, "swarm_epoch", None)
-        setattr(result, _ROUND_WATCH, RoundWatch(stale_after, epoch, swarm_epoch))
+        tracked = None if epoch is None else getattr(self, "tracked_swarm_epoch", None)
+        setattr(result, _ROUND_WATCH, RoundWatch(stale_after, epoch, tracked))
     return result
 
 
@@ -510,7 +513,8 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     waiting for their group, declarations stored only when changed, rounds marked for the stale-round watchdog, and
     a process that keeps its tasks and ends with its parent. With ``round_epoch`` (a callable giving the epoch of the
     round that ``step`` begins) its rounds meet only rounds of their epoch (``collab.matchmaking``), and with
-    ``swarm_epoch`` (a callable giving the swarm's epoch) they are given up by epoch, not by time (``is_stale_round``).
+    ``tracked_swarm_epoch`` (a callable giving the swarm's epoch as the progress tracker sees it) its rounds of a known
+    epoch are given up by epoch, not by time (``is_stale_round``).
 
     Put it last among the bases (``class A(Mixin, GradientAverager, FixedDecentralizedAverager)``) so that it sits
     under hivemind's own subclasses, whose ``step`` is another method that calls this one. RPC handlers keep
@@ -527,7 +531,7 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     _declare_for_download_periodically = declare_for_download_when_changed
     step = averager_step_marking_stale_time
     round_epoch = None
-    swarm_epoch = None
+    tracked_swarm_epoch = None
 
     def run(self) -> None:
         """The averager's own process: keeps its tasks, matches rounds of one epoch only (hivemind's module, in this
