@@ -59,13 +59,12 @@ Averaging rounds that miss their epoch's group and wait for a later epoch's. hiv
 ``averaging_timeout`` (60 s by default) to find a group and retries matchmaking until then, so a round that missed its
 epoch's group keeps looking until another epoch's round comes along, and its peer's next step waits for it. A newcomer
 whose first step catches up with the swarm joins the others' round for the next epoch; its next round queues behind
-that one and pairs with the epoch after, and so on, one epoch out of step (docs/RELIABILITY.md). In
-``test_collaboration`` a parameter round that missed its group held its peer's next step for 6 s, two epochs, and the
-peer had to download the state. A round looks for its group in windows of ``matchmaking_time``, starting no later than
-its trigger, so a groupmate that starts looking up to 1.5 windows after this peer's trigger is still met by the end of
-the second retry. A round this peer has triggered that is still looking ``STALE_ROUND_FACTOR`` (2.5) x
-``matchmaking_time`` later is given up: the epoch goes on with this peer's own values, as after any failed round, and
-the peer's next round is free to pair with the others' round of the same epoch.
+that one and pairs with the epoch after, and so on, one epoch out of step (docs/RELIABILITY.md). Gradient rounds now
+meet only rounds of their own epoch (``collab.matchmaking``), and a round this peer has triggered that still looks for
+a group is given up once the swarm's epoch shows that its group formed without it (``is_stale_round``): the epoch
+goes on with this peer's own values, as after any failed round, and its next round is free to meet the others' round
+of the same epoch. A fixed time (``STALE_ROUND_FACTOR`` x ``matchmaking_time``, kept for rounds of no known epoch) gave
+up rounds that 16 peers on busy machines had not yet assembled.
 
 Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
 process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the

@@ -49,12 +49,8 @@ MAX_STEPS = 16
 # differed from A's final model by 0.004 to 0.011 (one run failed). The first parameter round at learning rate 0 runs
 # into epoch MAX_STEPS + 2 and is applied by the next step.
 SETTLED_STEP = MAX_STEPS + 3
-# Epochs of 4-6 s, several matchmaking_times as the trainer asks. At 128 samples and matchmaking_time 2 they lasted
-# 2-3 s: rounds overlapped ("Another look_for_group is already in progress" 23-46 times a run), parameter rounds
-# stalled a loop for 5-8 s, and the peer fell out of sync and missed rounds (A averaged only 14 times once in CI).
-# With matchmaking_time 2 and epochs of 3-6 s, a restarted peer's rounds stayed one epoch out of step to the end in 2
-# of 22 runs (A and C2 0.05-0.16 apart): a queued round met the next epoch's group before the stale-round watchdog
-# (2.5 x matchmaking_time) gave it up. next_chunk_timeout stays at 3 s for groupmates that trigger late.
+# Epochs of 4-6 s, several matchmaking_times long as the trainer asks (docs/RELIABILITY.md has what shorter ones
+# did). next_chunk_timeout stays at 3 s for groupmates that trigger late.
 FAST = [
     "--target_batch_size",
     "384",

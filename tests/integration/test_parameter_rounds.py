@@ -25,8 +25,7 @@ DRIFT_EPOCH = 3
 # failed round does not fail the test. The peers are stopped once both have averaged their parameters together in a
 # complete round after it (their events say so), and from there on an update changes nothing.
 LR_ZERO_EPOCH = DRIFT_EPOCH + 2 * SYNC_PARAMETER_ROUND_EVERY + 2
-# Epochs last 2-3 s: with matchmaking_time 2 the stale-round watchdog (2.5 x matchmaking_time) came after the next
-# epoch, so a peer one epoch out of step stayed so (docs/RELIABILITY.md; a CI run of the drift test took 191 s).
+# Epochs last 2-3 s: matchmaking_time 1 keeps them several matchmaking times long, as the trainer asks.
 SETTINGS = [
     *("--target_batch_size", "128", "--matchmaking_time", "1", "--averaging_timeout", "15"),
     *("--total_steps", str(LR_ZERO_EPOCH)),
