@@ -422,8 +422,11 @@ def entry_point_patches():
 STALE_TEST_MATCHMAKING = 1.0  # seconds: a triggered round still looking 2.5 s later is given up
 
 
-def matched_averager(dht: hivemind.DHT, value: float, prefix: str) -> DecentralizedAverager:
-    return FixedDecentralizedAverager(
+def matched_averager(
+    dht: hivemind.DHT, value: float, prefix: str, averager_class: type = FixedDecentralizedAverager
+) -> DecentralizedAverager:
+    """An averager of 1000 values equal to ``value`` that looks for a group of two."""
+    return averager_class(
         [torch.full((1000,), value)],
         dht=dht,
         prefix=prefix,

@@ -11,9 +11,8 @@ from hivemind.utils import MSGPackSerializer
 from collab.hivemind_fixes import FixedDecentralizedAverager, entry_point_patches_applied
 from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet
 from tests.local_dht import two_dhts
+from tests.unit.test_hivemind_fixes import matched_averager
 from trainer.local import wait_until
-
-MATCHMAKING_TIME = 1.0  # seconds; a round still looking for a group 2.5 s after its trigger is given up
 
 
 def as_sent(user_data) -> bytes:
@@ -54,15 +53,7 @@ def test_an_averager_with_an_epoch_source_gathers_its_rounds_epoch():
 def averagers(dhts, classes, prefix: str) -> list[DecentralizedAverager]:
     """One averager of each class on each DHT, holding 0.0 and 2.0."""
     return [
-        averager_class(
-            [torch.full((1000,), value)],
-            dht=dht,
-            prefix=prefix,
-            target_group_size=2,
-            min_matchmaking_time=MATCHMAKING_TIME,
-            request_timeout=0.5,
-            start=True,
-        )
+        matched_averager(dht, value, prefix, averager_class)
         for dht, averager_class, value in zip(dhts, classes, (0.0, 2.0), strict=True)
     ]
 
