@@ -537,9 +537,11 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         fresh = self.state_averager.swarm_epoch()
         return self.tracker.global_epoch if fresh is None else max(self.tracker.global_epoch, fresh)
 
-    def _tracked_swarm_epoch(self) -> int:
-        """The swarm's epoch as the progress tracker sees it now: the stale-round watchdog's, read every 0.1 s."""
-        return self.tracker.global_epoch
+    def _tracked_swarm_epoch(self) -> int | None:
+        """The swarm's epoch as the progress tracker sees it now: the stale-round watchdog's, read every 0.1 s. None
+        while it sees no other peer: a round then waits for a groupmate that may have died, and the swarm's epoch, this
+        peer's own, cannot move on while it waits, so the watchdog goes by time."""
+        return self.tracker.global_epoch if self.tracker.global_progress.num_peers > 1 else None
 
     def _begin_catching_up(self, state_epoch: int, swarm_epoch: int) -> None:
         """Train on from a downloaded state of ``state_epoch``, older than ``swarm_epoch``, without letting it into

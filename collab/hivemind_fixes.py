@@ -333,7 +333,7 @@ class RoundWatch:
 
     stale_after: float
     epoch: int | None = None
-    tracked_swarm_epoch: Callable[[], int] | None = None
+    tracked_swarm_epoch: Callable[[], int | None] | None = None
 
 
 def is_stale_round(
@@ -349,8 +349,9 @@ def is_stale_round(
     A round of a known epoch e (a gradient round of e, or the parameter round after it): once the swarm is at epoch
     e+2, where the others have begun the rounds that end e+1, so this round's group formed without this peer. Until
     then it may still be forming: a large swarm on busy machines takes longer than any fixed time, and a gradient round
-    cannot meet another epoch's (``collab.matchmaking``). A round of no known epoch: after ``stale_after`` seconds,
-    when its own epoch's group would have assembled long before."""
+    cannot meet another epoch's (``collab.matchmaking``). A round of no known epoch, or whose swarm's epoch is unknown
+    (no other peer in sight): after ``stale_after`` seconds, when its own epoch's group would have assembled long
+    before."""
     if done or stage != AveragingStage.LOOKING_FOR_GROUP:
         return False
     if round_epoch is not None and swarm_epoch is not None:
