@@ -216,11 +216,9 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
 
     round_kind = "gradient"
 
-    def __init__(self, *args, holds_swarm_state=None, round_epoch=None, tracked_swarm_epoch=None, **kwargs):
+    def __init__(self, *args, holds_swarm_state=None, **kwargs):
         self.holds_swarm_state = holds_swarm_state  # before hivemind starts the averager's process, which reads it
         super().__init__(*args, **kwargs)
-        # read in this process only: rounds meet only rounds of their epoch, and are given up by the swarm's epoch
-        self.round_epoch, self.tracked_swarm_epoch = round_epoch, tracked_swarm_epoch
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
         """Downloads nothing. hivemind's ``Optimizer.load_state_from_peers`` downloads a donor's gradient buffers here
@@ -594,15 +592,12 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         local epoch when the round is scheduled or begun, before the step that ends that epoch) and giving up a round
         once the swarm's epoch shows that its group formed without this peer."""
         state_averager = self.state_averager
-        return super()._make_gradient_averager(
-            partial(
-                factory,
-                holds_swarm_state=state_averager.holds_swarm_state,
-                round_epoch=lambda: state_averager.local_epoch,
-                tracked_swarm_epoch=self._tracked_swarm_epoch,
-            ),
-            **kwargs,
+        averager = super()._make_gradient_averager(
+            partial(factory, holds_swarm_state=state_averager.holds_swarm_state), **kwargs
         )
+        averager.round_epoch = lambda: state_averager.local_epoch
+        averager.tracked_swarm_epoch = self._tracked_swarm_epoch
+        return averager
 
 
 class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):

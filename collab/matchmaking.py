@@ -19,8 +19,9 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
+from collab.schema import MAX_STEP
+
 ROUND_EPOCH = "round_epoch"  # the key of a round's epoch in the data its peer gathers
-MAX_EPOCH = 2**63 - 1
 
 
 def round_gather(epoch: int) -> dict:
@@ -30,7 +31,8 @@ def round_gather(epoch: int) -> dict:
 
 def gathered_round_epoch(data_for_gather: bytes) -> int | None:
     """The epoch named by a round's gathered data as hivemind sends it (``[bandwidth, mode, user data]``); None when
-    the user data names none. Raises ValueError when the data cannot be read or the epoch is not an int64."""
+    the user data names none. Raises ValueError when the data cannot be read or the epoch is not a step number (0 to
+    ``MAX_STEP``)."""
     try:
         _bandwidth, _mode, user_data = MSGPackSerializer.loads(data_for_gather)
         gathered = MSGPackSerializer.loads(user_data)
@@ -39,7 +41,7 @@ def gathered_round_epoch(data_for_gather: bytes) -> int | None:
     if not isinstance(gathered, dict) or ROUND_EPOCH not in gathered:
         return None
     epoch = gathered[ROUND_EPOCH]
-    if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
+    if type(epoch) is not int or not 0 <= epoch <= MAX_STEP:
         raise ValueError(f"{ROUND_EPOCH} {epoch!r} is not an epoch")
     return epoch
 

@@ -1,4 +1,4 @@
-"""Real hivemind DHT nodes on 127.0.0.1 for tests."""
+"""Real hivemind DHT nodes on 127.0.0.1 for tests, and averagers on them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ import contextlib
 from collections.abc import Iterator
 
 import hivemind
+import torch
+from hivemind.averaging.averager import DecentralizedAverager
+
+from collab.hivemind_fixes import FixedDecentralizedAverager
 
 
 @contextlib.contextmanager
@@ -22,3 +26,22 @@ def two_dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
             second.shutdown()
     finally:
         first.shutdown()
+
+
+STALE_TEST_MATCHMAKING = 1.0  # seconds: a triggered round still looking 2.5 s later is given up
+
+
+def matched_averager(
+    dht: hivemind.DHT, value: float, prefix: str, averager_class: type = FixedDecentralizedAverager
+) -> DecentralizedAverager:
+    """An averager of 1000 values equal to ``value`` that looks for a group of two."""
+    return averager_class(
+        [torch.full((1000,), value)],
+        dht=dht,
+        prefix=prefix,
+        target_group_size=2,
+        min_matchmaking_time=STALE_TEST_MATCHMAKING,
+        request_timeout=0.5,
+        next_chunk_timeout=8.0,
+        start=True,
+    )

@@ -64,8 +64,7 @@ def events_path_for(log_path: Path) -> Path:
 
 
 # The processes started here share one machine (a demo, a test's swarm): one compute thread each unless the caller's
-# environment says otherwise. With torch's default of one per core, two peers on 2 cores ran their swarm tests 10-20 %
-# slower.
+# environment says otherwise, since torch's default of one per core has them compete for the same cores.
 SHARED_MACHINE_ENV = {"OMP_NUM_THREADS": "1"}
 
 

@@ -34,7 +34,7 @@ from collab.hivemind_fixes import (
     entry_point_patches_applied,
     switch_to_uvloop_keeping_tasks,
 )
-from tests.local_dht import two_dhts
+from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
 from trainer.local import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -417,25 +417,6 @@ def entry_point_patches():
     """The StepControl patches of the stale-round watchdog, as a program's entry point applies them."""
     with entry_point_patches_applied():
         yield
-
-
-STALE_TEST_MATCHMAKING = 1.0  # seconds: a triggered round still looking 2.5 s later is given up
-
-
-def matched_averager(
-    dht: hivemind.DHT, value: float, prefix: str, averager_class: type = FixedDecentralizedAverager
-) -> DecentralizedAverager:
-    """An averager of 1000 values equal to ``value`` that looks for a group of two."""
-    return averager_class(
-        [torch.full((1000,), value)],
-        dht=dht,
-        prefix=prefix,
-        target_group_size=2,
-        min_matchmaking_time=STALE_TEST_MATCHMAKING,
-        request_timeout=0.5,
-        next_chunk_timeout=8.0,
-        start=True,
-    )
 
 
 @pytest.mark.timeout(120)

@@ -3,6 +3,9 @@ averagers on two DHTs, beside plain hivemind, which pairs rounds of different ep
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
@@ -10,8 +13,8 @@ from hivemind.utils import MSGPackSerializer
 
 from collab.hivemind_fixes import FixedDecentralizedAverager, entry_point_patches_applied
 from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet
-from tests.local_dht import two_dhts
-from tests.unit.test_hivemind_fixes import matched_averager
+from collab.schema import MAX_STEP
+from tests.local_dht import matched_averager, two_dhts
 from trainer.local import wait_until
 
 
@@ -22,10 +25,10 @@ def as_sent(user_data) -> bytes:
 
 def test_the_gathered_epoch_is_read_as_sent_and_anything_else_is_refused():
     assert gathered_round_epoch(as_sent({"round_epoch": 7})) == 7
-    assert gathered_round_epoch(as_sent(round_gather(2**63 - 1))) == 2**63 - 1
+    assert gathered_round_epoch(as_sent(round_gather(MAX_STEP))) == MAX_STEP
     assert gathered_round_epoch(as_sent(None)) is None  # plain hivemind and parameter rounds
     assert gathered_round_epoch(as_sent({"other": 1})) is None
-    for epoch in (-1, 2**63, "7", 7.0, True, None, [7]):
+    for epoch in (-1, MAX_STEP + 1, "7", 7.0, True, None, [7]):
         with pytest.raises(ValueError, match="round_epoch"):
             gathered_round_epoch(as_sent({"round_epoch": epoch}))
     for garbage in (b"", b"\xc1", MSGPackSerializer.dumps([1.0, 0]), MSGPackSerializer.dumps([1.0, 0, b"\xc1"])):
@@ -50,12 +53,19 @@ def test_an_averager_with_an_epoch_source_gathers_its_rounds_epoch():
             averager.shutdown()
 
 
-def averagers(dhts, classes, prefix: str) -> list[DecentralizedAverager]:
-    """One averager of each class on each DHT, holding 0.0 and 2.0."""
-    return [
-        matched_averager(dht, value, prefix, averager_class)
-        for dht, averager_class, value in zip(dhts, classes, (0.0, 2.0), strict=True)
-    ]
+@contextlib.contextmanager
+def averager_pair(classes, prefix: str) -> Iterator[list[DecentralizedAverager]]:
+    """One averager of each class on each of two DHTs, holding 0.0 and 2.0, with the watchdog's patches applied."""
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        pair = [
+            matched_averager(dht, value, prefix, averager_class)
+            for dht, averager_class, value in zip(dhts, classes, (0.0, 2.0), strict=True)
+        ]
+        try:
+            yield pair
+        finally:
+            for averager in pair:
+                averager.shutdown()
 
 
 def run_round(pair: list[DecentralizedAverager], epochs: tuple[int | None, int | None]) -> list[int | None]:
@@ -80,36 +90,21 @@ def values(averager: DecentralizedAverager) -> float:
 
 @pytest.mark.timeout(120)
 def test_rounds_of_different_epochs_do_not_average_and_rounds_of_one_epoch_do():
-    with entry_point_patches_applied(), two_dhts() as dhts:
-        pair = averagers(dhts, [FixedDecentralizedAverager] * 2, "epochs")
-        try:
-            assert run_round(pair, (3, 4)) == [None, None]
-            assert [values(averager) for averager in pair] == [0.0, 2.0]
-            assert run_round(pair, (5, 5)) == [2, 2]
-            assert [values(averager) for averager in pair] == [1.0, 1.0]
-        finally:
-            for averager in pair:
-                averager.shutdown()
+    with averager_pair([FixedDecentralizedAverager] * 2, "epochs") as pair:
+        assert run_round(pair, (3, 4)) == [None, None]
+        assert [values(averager) for averager in pair] == [0.0, 2.0]
+        assert run_round(pair, (5, 5)) == [2, 2]
+        assert [values(averager) for averager in pair] == [1.0, 1.0]
 
 
 @pytest.mark.timeout(120)
 def test_plain_hivemind_averages_rounds_of_different_epochs_together():
-    with entry_point_patches_applied(), two_dhts() as dhts:
-        pair = averagers(dhts, [DecentralizedAverager] * 2, "plain_epochs")
-        try:
-            assert run_round(pair, (3, 4)) == [2, 2]
-            assert [values(averager) for averager in pair] == [1.0, 1.0]
-        finally:
-            for averager in pair:
-                averager.shutdown()
+    with averager_pair([DecentralizedAverager] * 2, "plain_epochs") as pair:
+        assert run_round(pair, (3, 4)) == [2, 2]
+        assert [values(averager) for averager in pair] == [1.0, 1.0]
 
 
 @pytest.mark.timeout(120)
 def test_a_round_that_names_an_epoch_averages_with_a_plain_hivemind_peer():
-    with entry_point_patches_applied(), two_dhts() as dhts:
-        pair = averagers(dhts, [FixedDecentralizedAverager, DecentralizedAverager], "mixed")
-        try:
-            assert run_round(pair, (3, None)) == [2, 2]
-        finally:
-            for averager in pair:
-                averager.shutdown()
+    with averager_pair([FixedDecentralizedAverager, DecentralizedAverager], "mixed") as pair:
+        assert run_round(pair, (3, None)) == [2, 2]
