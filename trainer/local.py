@@ -40,20 +40,23 @@ def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+# Errors that reach this project's code from elsewhere: a round cut by a timeout, a groupmate killed mid-stream.
 CANCELLATIONS = ("asyncio.exceptions.CancelledError", "concurrent.futures._base.CancelledError")
+CONNECTION_ERRORS = ("ConnectionResetError", "BrokenPipeError", "ConnectionAbortedError")
 
 
 def tracebacks_from_our_code(log: str) -> list[str]:
-    """The tracebacks in ``log`` that pass through this project's code and end in an error there. A cancellation is
-    not one: hivemind logs a round cut by a timeout (a groupmate died) with the CancelledError that reached whatever
-    was waiting, our all-reduce runner included."""
+    """The tracebacks in ``log`` that pass through this project's code and end in an error there. A cancellation or a
+    connection error is not one: hivemind logs a round whose groupmate died with the error that reached whatever was
+    reading from it, our all-reduce runner and byte counter included."""
     ours = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')
     found = []
     for chunk in log.split("Traceback (most recent call last):")[1:]:
         frames = chunk.split("\n\n")[0]
         # the exception's line is the first one after the frames, which are indented
         raised = next((line for line in frames.splitlines() if line and not line[0].isspace()), "")
-        if ours.search(frames) and raised.strip() not in CANCELLATIONS:
+        error = raised.split(":", 1)[0].strip()
+        if ours.search(frames) and error not in CANCELLATIONS + CONNECTION_ERRORS:
             found.append(chunk)
     return found
 

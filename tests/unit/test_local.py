@@ -14,7 +14,7 @@ HIVEMIND = f'  File "{ROOT}/.venv/lib/python3.11/site-packages/hivemind/averagin
 HEAD = "Traceback (most recent call last):\n"
 
 
-def test_an_error_raised_through_our_frames_is_reported_and_a_cancellation_is_not():
+def test_an_error_raised_through_our_frames_is_reported_and_a_cancellation_or_a_reset_is_not():
     cancelled = f"{HEAD}{HIVEMIND}{OURS}asyncio.exceptions.CancelledError\nNov 26 06:16:59 [INFO] epoch 11\n"
     chained = (
         f"{HEAD}{HIVEMIND}{OURS}asyncio.exceptions.CancelledError\n\n"
@@ -23,7 +23,9 @@ def test_an_error_raised_through_our_frames_is_reported_and_a_cancellation_is_no
     )
     bug = f"{HEAD}{HIVEMIND}{OURS}TypeError: unsupported operand type(s)\nNov 26 06:17:00 [INFO] epoch 12\n"
     theirs = f"{HEAD}{HIVEMIND}ConnectionResetError: reset by peer\n"
-    assert tracebacks_from_our_code(cancelled + chained + theirs) == []
+    # a groupmate killed mid-stream: the reset passes through our byte counter
+    reset = f"{HEAD}{HIVEMIND}{OURS}ConnectionResetError: [Errno 104] Connection reset by peer\nNov 26 [INFO] epoch 13\n"
+    assert tracebacks_from_our_code(cancelled + chained + theirs + reset) == []
     found = tracebacks_from_our_code(cancelled + bug + theirs)
     assert len(found) == 1 and "TypeError" in found[0]
 
