@@ -61,9 +61,9 @@ epoch's group keeps looking until another epoch's round comes along, and its pee
 whose first step catches up with the swarm joins the others' round for the next epoch; its next round queues behind
 that one and pairs with the epoch after, and so on, one epoch out of step (docs/RELIABILITY.md). Gradient rounds now
 meet only rounds of their own epoch (``collab.matchmaking``), and a round this peer has triggered that still looks for
-a group is given up once the swarm's epoch shows that its group formed without it, or once this peer has begun its
-next round, which hivemind would hold back behind it (``is_stale_round``): the epoch goes on with this peer's own
-values, as after any failed round, and its next round is free to meet the others' round of the same epoch. A fixed time (``STALE_ROUND_FACTOR`` x ``matchmaking_time``, kept for rounds of no known epoch) gave
+a group is given up once the swarm's epoch shows that its group formed without it (``is_stale_round``): the epoch
+goes on with this peer's own values, as after any failed round, and its next round is free to meet the others' round
+of the same epoch. A fixed time (``STALE_ROUND_FACTOR`` x ``matchmaking_time``, kept for rounds of no known epoch) gave
 up rounds that 16 peers on busy machines had not yet assembled.
 
 Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
@@ -321,8 +321,6 @@ async def declare_for_download_when_changed(self) -> None:
 STALE_ROUND_FACTOR = 2.5  # matchmaking_times after its trigger that a round of no epoch may still look for a group
 STALE_ROUND_CHECK_PERIOD = 0.1  # seconds between two looks at the triggered rounds
 _ROUND_WATCH = "_collab_round_watch"  # on a StepControl: its RoundWatch
-# on an averager: the epoch of the round it began last (not the highest: a state download may take an older epoch)
-_NEWEST_ROUND_EPOCH = "_collab_newest_round_epoch"
 _original_averager_step = hivemind.averaging.averager.DecentralizedAverager.step
 _original_allow_allreduce = StepControl.allow_allreduce
 _original_step_control_cancel = StepControl.cancel
@@ -331,13 +329,11 @@ _original_step_control_cancel = StepControl.cancel
 @dataclass(frozen=True)
 class RoundWatch:
     """What the stale-round watchdog knows of a round: seconds after its trigger that a round of no known epoch may
-    look for a group; the epoch it averages, if known; callables giving the swarm's epoch now and the epoch of the
-    round its averager began last."""
+    look for a group; the epoch it averages, if known, and a callable giving the swarm's epoch now."""
 
     stale_after: float
     epoch: int | None = None
     tracked_swarm_epoch: Callable[[], int | None] | None = None
-    newest_round_epoch: Callable[[], int | None] | None = None
 
 
 def is_stale_round(
@@ -347,33 +343,20 @@ def is_stale_round(
     stale_after: float,
     round_epoch: int | None = None,
     swarm_epoch: int | None = None,
-    newest_round_epoch: int | None = None,
 ) -> bool:
     """Whether a triggered round still looking for a group should be given up.
 
-    A round of a known epoch e (a gradient round of e, or the parameter round after it): once its averager has begun
-    a round of a later epoch, which hivemind holds back until this one stops looking, so that the peer meets the
-    others' next round instead of missing every later one; or once the swarm is at epoch e+2, where the others have
-    begun the rounds that end e+1, so this round's group formed without this peer. Until then it may still be forming:
-    a large swarm on busy machines takes longer than any fixed time, and a gradient round cannot meet another epoch's
-    (``collab.matchmaking``). A round of no known epoch, or whose swarm's epoch is unknown (no other peer in sight):
-    after ``stale_after`` seconds, when its own epoch's group would have assembled long before."""
+    A round of a known epoch e (a gradient round of e, or the parameter round after it): once the swarm is at epoch
+    e+2, where the others have begun the rounds that end e+1, so this round's group formed without this peer. Until
+    then it may still be forming: a large swarm on busy machines takes longer than any fixed time, and a gradient round
+    cannot meet another epoch's (``collab.matchmaking``). A round of no known epoch, or whose swarm's epoch is unknown
+    (no other peer in sight): after ``stale_after`` seconds, when its own epoch's group would have assembled long
+    before."""
     if done or stage != AveragingStage.LOOKING_FOR_GROUP:
         return False
-    if round_epoch is not None and newest_round_epoch is not None and newest_round_epoch > round_epoch:
-        return True
     if round_epoch is not None and swarm_epoch is not None:
         return swarm_epoch >= round_epoch + 2
     return seconds_since_trigger >= stale_after
-
-
-def stale_round_reason(round_epoch: int | None, swarm_epoch: int | None, newest_round_epoch: int | None) -> str:
-    """Why ``is_stale_round`` gave up a round, for the log."""
-    if round_epoch is not None and newest_round_epoch is not None and newest_round_epoch > round_epoch:
-        return f"this peer's round of epoch {newest_round_epoch} waits for it to stop looking"
-    if round_epoch is not None and swarm_epoch is not None:
-        return f"the swarm is at epoch {swarm_epoch}: this round's group (epoch {round_epoch}) formed without it"
-    return "its epoch's group formed without it"
 
 
 class StaleRoundWatchdog:
@@ -403,18 +386,22 @@ class StaleRoundWatchdog:
         for control, (triggered_at, watch) in rounds:
             done, seconds = control.done(), now - triggered_at
             swarm_epoch = None if watch.tracked_swarm_epoch is None else watch.tracked_swarm_epoch()
-            newest = None if watch.newest_round_epoch is None else watch.newest_round_epoch()
-            stale = is_stale_round(control.stage, done, seconds, watch.stale_after, watch.epoch, swarm_epoch, newest)
+            stale = is_stale_round(control.stage, done, seconds, watch.stale_after, watch.epoch, swarm_epoch)
             if stale:
                 control.cancel()
                 cancelled.append(control)
+                by_epoch = watch.epoch is not None and swarm_epoch is not None
+                if by_epoch:
+                    reason = f"the swarm is at epoch {swarm_epoch}: this round's group (epoch {watch.epoch}) formed"
+                else:
+                    reason = "its epoch's group formed"
                 logger.warning(
-                    "Gave up an averaging round still looking for a group %.1f s after this peer was ready: %s. "
-                    "This epoch goes on with this peer's own values",
+                    "Gave up an averaging round still looking for a group %.1f s after this peer was ready: %s "
+                    "without it. This epoch goes on with this peer's own values",
                     seconds,
-                    stale_round_reason(watch.epoch, swarm_epoch, newest),
+                    reason,
                 )
-                events.emit("round_given_up", seconds=seconds)
+                events.emit("round_given_up", seconds=seconds, reason="swarm_epoch" if by_epoch else "time")
             if done or stale:
                 with self._lock:
                     self._rounds.pop(control, None)
@@ -443,14 +430,11 @@ def averager_step_marking_stale_time(self, gather=None, *args, **kwargs):
         gather = round_gather(epoch)
     elif type(gather) is int:  # hivemind's parameter rounds gather the epoch their step begins, after the one averaged
         epoch = gather - 1
-    if epoch is not None:
-        setattr(self, _NEWEST_ROUND_EPOCH, epoch)
     result = _original_averager_step(self, gather, *args, **kwargs)
     if isinstance(result, StepControl):
         stale_after = STALE_ROUND_FACTOR * self.matchmaking_kwargs["min_matchmaking_time"]
         tracked = None if epoch is None else getattr(self, "tracked_swarm_epoch", None)
-        newest = None if epoch is None else lambda: getattr(self, _NEWEST_ROUND_EPOCH, None)
-        setattr(result, _ROUND_WATCH, RoundWatch(stale_after, epoch, tracked, newest))
+        setattr(result, _ROUND_WATCH, RoundWatch(stale_after, epoch, tracked))
     return result
 
 
@@ -531,7 +515,7 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     a process that keeps its tasks and ends with its parent. With ``round_epoch`` (a callable giving the epoch of the
     round that ``step`` begins) its rounds meet only rounds of their epoch (``collab.matchmaking``), and with
     ``tracked_swarm_epoch`` (a callable giving the swarm's epoch as the progress tracker sees it) its rounds of a known
-    epoch are given up by epoch, not by time, or as soon as it begins a round of a later epoch (``is_stale_round``).
+    epoch are given up by epoch, not by time (``is_stale_round``).
 
     Put it last among the bases (``class A(Mixin, GradientAverager, FixedDecentralizedAverager)``) so that it sits
     under hivemind's own subclasses, whose ``step`` is another method that calls this one. RPC handlers keep

@@ -10,16 +10,27 @@ that hivemind gathers at matchmaking (``round_gather``), and a leader refuses a 
 epoch (``EpochMatchmaking``), so the late round finds no group and the stale-round watchdog gives it up. A round that
 names no epoch (plain hivemind peers, parameter rounds, benchmarks) meets any other, as in hivemind. A join request
 whose gathered data cannot be read is refused: hivemind would fail the whole group's round on it later.
+
+hivemind holds a peer's next round back until its previous one stops looking for a group. A late round with no
+groupmate in sight when the next epoch's round is ready steps aside (``steps_aside``): else it would keep the next round
+from meeting the others' too, and the peer would miss every round after. A late round that is leading or following a
+group goes on: in a large swarm on busy machines such rounds still form, one epoch late.
 """
 
 from __future__ import annotations
 
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MSGPackSerializer
+from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
+from hivemind.utils.mpfuture import MPFuture
 
+from collab import events
 from collab.schema import MAX_STEP
+
+logger = get_logger(__name__)
 
 ROUND_EPOCH = "round_epoch"  # the key of a round's epoch in the data its peer gathers
 
@@ -51,6 +62,15 @@ def rounds_may_meet(leader_epoch: int | None, follower_epoch: int | None) -> boo
     return leader_epoch is None or follower_epoch is None or leader_epoch == follower_epoch
 
 
+def steps_aside(looking_epoch: int | None, next_epoch: int | None, triggered: bool, has_groupmates: bool) -> bool:
+    """Whether a round of ``looking_epoch`` still looking for a group gives way to this peer's round of ``next_epoch``:
+    when both name an epoch, the next is later, this peer has triggered the looking one (it has nothing more to add)
+    and no groupmate is in sight (it leads no follower and follows no leader)."""
+    if looking_epoch is None or next_epoch is None:
+        return False
+    return next_epoch > looking_epoch and triggered and not has_groupmates
+
+
 class EpochMatchmaking(Matchmaking):
     """hivemind's ``Matchmaking`` whose leader also refuses followers of another epoch (module docstring), with
     ``BAD_GROUP_KEY``: the follower goes on to the next potential leader, as for a group key that changed."""
@@ -68,4 +88,32 @@ class EpochMatchmaking(Matchmaking):
         own_epoch = gathered_round_epoch(self.step_control.data_for_gather)
         if not rounds_may_meet(own_epoch, follower_epoch):
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+        return None
+
+    async def look_for_group(self, step: StepControl) -> GroupInfo | None:
+        """hivemind's, after cancelling a late round of this averager that ``steps_aside`` for ``step``."""
+        looking = self.step_control
+        if looking is not None and not looking.done():
+            looking_epoch = _epoch_or_none(looking.data_for_gather)
+            next_epoch = _epoch_or_none(step.data_for_gather)
+            groupmates = self.current_leader is not None or bool(self.current_followers)
+            if steps_aside(looking_epoch, next_epoch, looking.triggered, groupmates):
+                logger.warning(
+                    f"Gave up this peer's round of epoch {looking_epoch}, still looking for a group with no groupmate "
+                    f"in sight, for its round of epoch {next_epoch}. That epoch goes on with this peer's own values"
+                )
+                # cancelled as by its owner: the update reaches the peer's StepControl, whose cancel then stops the
+                # round here. StepControl.cancel in this process would mark the round's cancel flag first, and the
+                # owner's cancel (collab.hivemind_fixes.cancel_once) would take the round for cancelled already.
+                MPFuture.cancel(looking)
+                late = round(get_dht_time() - looking.scheduled_time, 3)
+                events.emit("round_given_up", seconds=late, reason="next_round")
+        return await super().look_for_group(step)
+
+
+def _epoch_or_none(data_for_gather: bytes) -> int | None:
+    """The epoch a round of this peer gathers (its own data: readable, or no epoch)."""
+    try:
+        return gathered_round_epoch(data_for_gather)
+    except ValueError:
         return None

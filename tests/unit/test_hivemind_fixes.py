@@ -412,17 +412,6 @@ def test_a_round_of_one_epoch_is_stale_once_the_swarm_has_begun_the_next_epochs_
     assert hivemind_fixes.is_stale_round(looking, False, 4.0, stale_after=4.0, round_epoch=7, swarm_epoch=None)
 
 
-def test_a_round_of_one_epoch_is_stale_once_its_averager_has_begun_a_later_epochs_round():
-    looking, running = AveragingStage.LOOKING_FOR_GROUP, AveragingStage.RUNNING_ALLREDUCE
-    assert hivemind_fixes.is_stale_round(looking, False, 0.0, 4.0, round_epoch=7, swarm_epoch=8, newest_round_epoch=8)
-    assert not hivemind_fixes.is_stale_round(looking, False, 0.0, 4.0, 7, swarm_epoch=8, newest_round_epoch=7)
-    # a state download took an older epoch: its round does not make the later one stale
-    assert not hivemind_fixes.is_stale_round(looking, False, 0.0, 4.0, 7, swarm_epoch=8, newest_round_epoch=5)
-    assert not hivemind_fixes.is_stale_round(running, False, 0.0, 4.0, 7, swarm_epoch=8, newest_round_epoch=8)
-    # a round of no known epoch goes by time only
-    assert not hivemind_fixes.is_stale_round(looking, False, 0.0, 4.0, None, swarm_epoch=8, newest_round_epoch=8)
-
-
 @pytest.fixture
 def entry_point_patches():
     """The StepControl patches of the stale-round watchdog, as a program's entry point applies them."""
@@ -474,10 +463,10 @@ def test_a_round_of_a_known_epoch_waits_for_its_group_until_the_swarm_is_two_epo
 
 @pytest.mark.timeout(120)
 def test_a_late_round_steps_aside_so_that_its_peers_next_round_meets_the_others(entry_point_patches):
-    """Peer B's round of epoch 7 missed its group and still looks (the swarm is at 8, so the swarm's epoch does not
-    yet give it up). When B begins its round of epoch 8, the round of 7 is given up at once, and B's round of 8 meets
-    A's. hivemind alone holds the round of 8 back until the round of 7 stops looking (its 60 s timeout here): B would
-    miss every later round of the others too."""
+    """Peer B's round of epoch 7 missed its group and still looks, alone (the swarm is at 8, so the swarm's epoch does
+    not yet give it up). When B begins its round of epoch 8, the round of 7 steps aside at once (collab.matchmaking),
+    and B's round of 8 meets A's. hivemind alone holds the round of 8 back until the round of 7 stops looking (its
+    60 s timeout here): B would miss every later round of the others too."""
     with two_dhts() as (dht_a, dht_b):
         a, b = (matched_averager(dht, value, prefix="next_round") for dht, value in ((dht_a, 0.0), (dht_b, 2.0)))
         epochs = {"a": 8, "b": 7}

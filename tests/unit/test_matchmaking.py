@@ -12,10 +12,21 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.utils import MSGPackSerializer
 
 from collab.hivemind_fixes import FixedDecentralizedAverager, entry_point_patches_applied
-from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet
+from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet, steps_aside
 from collab.schema import MAX_STEP
 from tests.local_dht import matched_averager, two_dhts
 from trainer.local import wait_until
+
+
+def test_a_triggered_round_alone_steps_aside_for_a_later_epochs_round_and_one_with_groupmates_does_not():
+    assert steps_aside(7, 8, triggered=True, has_groupmates=False)
+    # leading or following a group: in a large busy swarm, such a late round still forms
+    assert not steps_aside(7, 8, triggered=True, has_groupmates=True)
+    assert not steps_aside(7, 8, triggered=False, has_groupmates=False)  # its peer has not added its part yet
+    assert not steps_aside(8, 8, triggered=True, has_groupmates=False)
+    assert not steps_aside(8, 5, triggered=True, has_groupmates=False)  # a state download took an older epoch
+    assert not steps_aside(None, 8, triggered=True, has_groupmates=False)  # parameter rounds, plain hivemind
+    assert not steps_aside(7, None, triggered=True, has_groupmates=False)
 
 
 def as_sent(user_data) -> bytes:
