@@ -12,9 +12,9 @@ names no epoch (plain hivemind peers, parameter rounds, benchmarks) meets any ot
 whose gathered data cannot be read is refused: hivemind would fail the whole group's round on it later.
 
 hivemind holds a peer's next round back until its previous one stops looking for a group. A late round with no
-groupmate in sight when the next epoch's round is ready steps aside (``steps_aside``): else it would keep the next round
-from meeting the others' too, and the peer would miss every round after. A late round that is leading or following a
-group goes on: in a large swarm on busy machines such rounds still form, one epoch late.
+groupmate in sight when the next epoch's round is ready steps aside (``steps_aside``): else it would keep the next
+round from meeting the others' too, and the peer would miss every round after. A late round that is leading or
+following a group goes on: in a large swarm on busy machines such rounds still form, one epoch late.
 """
 
 from __future__ import annotations

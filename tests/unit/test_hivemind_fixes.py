@@ -462,35 +462,6 @@ def test_a_round_of_a_known_epoch_waits_for_its_group_until_the_swarm_is_two_epo
 
 
 @pytest.mark.timeout(120)
-def test_a_late_round_steps_aside_so_that_its_peers_next_round_meets_the_others(entry_point_patches):
-    """Peer B's round of epoch 7 missed its group and still looks, alone (the swarm is at 8, so the swarm's epoch does
-    not yet give it up). When B begins its round of epoch 8, the round of 7 steps aside at once (collab.matchmaking),
-    and B's round of 8 meets A's. hivemind alone holds the round of 8 back until the round of 7 stops looking (its
-    60 s timeout here): B would miss every later round of the others too."""
-    with two_dhts() as (dht_a, dht_b):
-        a, b = (matched_averager(dht, value, prefix="next_round") for dht, value in ((dht_a, 0.0), (dht_b, 2.0)))
-        epochs = {"a": 8, "b": 7}
-        a.round_epoch, b.round_epoch = (lambda: epochs["a"]), (lambda: epochs["b"])
-        a.tracked_swarm_epoch = b.tracked_swarm_epoch = lambda: 8
-        try:
-            late = b.step(require_trigger=True, wait=False, timeout=60)
-            late.allow_allreduce()
-            time.sleep(2 * hivemind_fixes.STALE_ROUND_FACTOR * STALE_TEST_MATCHMAKING)
-            assert not late.done(), "the swarm's epoch gave up the round of 7 while the swarm was at 8"
-            epochs["b"] = 8
-            steps = [averager.step(require_trigger=True, wait=False, timeout=60) for averager in (a, b)]
-            for step in steps:
-                step.allow_allreduce()
-            assert [len(step.result(timeout=20)) for step in steps] == [2, 2]
-            assert late.cancelled()
-            with b.get_tensors() as (tensor,):
-                assert torch.equal(tensor, torch.ones_like(tensor))
-        finally:
-            for averager in (a, b):
-                averager.shutdown()
-
-
-@pytest.mark.timeout(120)
 def test_a_round_is_not_given_up_while_it_waits_for_a_late_groupmate(entry_point_patches):
     """The first peer triggers before its group has assembled, the second 3 s later (more than the 2.5 s after which a
     round still looking for a group is given up): the group formed in time, so both average."""

@@ -24,7 +24,9 @@ def test_an_error_raised_through_our_frames_is_reported_and_a_cancellation_or_a_
     bug = f"{HEAD}{HIVEMIND}{OURS}TypeError: unsupported operand type(s)\nNov 26 06:17:00 [INFO] epoch 12\n"
     theirs = f"{HEAD}{HIVEMIND}ConnectionResetError: reset by peer\n"
     # a groupmate killed mid-stream: the reset passes through our byte counter
-    reset = f"{HEAD}{HIVEMIND}{OURS}ConnectionResetError: [Errno 104] Connection reset by peer\nNov 26 [INFO] epoch 13\n"
+    reset = (
+        f"{HEAD}{HIVEMIND}{OURS}ConnectionResetError: [Errno 104] Connection reset by peer\nNov 26 [INFO] epoch 13\n"
+    )
     assert tracebacks_from_our_code(cancelled + chained + theirs + reset) == []
     found = tracebacks_from_our_code(cancelled + bug + theirs)
     assert len(found) == 1 and "TypeError" in found[0]

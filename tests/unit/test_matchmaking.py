@@ -1,9 +1,11 @@
-"""Rounds meet only rounds of their own epoch (collab.matchmaking): the gathered epoch as hivemind sends it, and real
-averagers on two DHTs, beside plain hivemind, which pairs rounds of different epochs."""
+"""Rounds meet only rounds of their own epoch, and a late round alone steps aside for its peer's next one
+(collab.matchmaking): the gathered epoch as hivemind sends it, and real averagers on two DHTs, beside plain hivemind,
+which pairs rounds of different epochs."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,10 +13,10 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.utils import MSGPackSerializer
 
-from collab.hivemind_fixes import FixedDecentralizedAverager, entry_point_patches_applied
+from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager, entry_point_patches_applied
 from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet, steps_aside
 from collab.schema import MAX_STEP
-from tests.local_dht import matched_averager, two_dhts
+from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
 from trainer.local import wait_until
 
 
@@ -119,3 +121,26 @@ def test_plain_hivemind_averages_rounds_of_different_epochs_together():
 def test_a_round_that_names_an_epoch_averages_with_a_plain_hivemind_peer():
     with averager_pair([FixedDecentralizedAverager, DecentralizedAverager], "mixed") as pair:
         assert run_round(pair, (3, None)) == [2, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_late_round_alone_steps_aside_so_that_its_peers_next_round_meets_the_others():
+    """Peer B's round of epoch 7 missed its group and still looks, alone (the swarm is at 8, so the stale-round
+    watchdog keeps it). When B begins its round of epoch 8, the round of 7 steps aside at once and B's round of 8 meets
+    A's. hivemind alone holds the round of 8 back until the round of 7 stops looking (its 60 s timeout here): B would
+    miss every later round of the others too."""
+    with averager_pair([FixedDecentralizedAverager] * 2, "next_round") as (a, b):
+        epochs = {"a": 8, "b": 7}
+        a.round_epoch, b.round_epoch = (lambda: epochs["a"]), (lambda: epochs["b"])
+        a.tracked_swarm_epoch = b.tracked_swarm_epoch = lambda: 8
+        late = b.step(require_trigger=True, wait=False, timeout=60)
+        late.allow_allreduce()
+        time.sleep(2 * STALE_ROUND_FACTOR * STALE_TEST_MATCHMAKING)
+        assert not late.done(), "the watchdog gave up the round of 7 while the swarm was at 8"
+        epochs["b"] = 8
+        steps = [averager.step(require_trigger=True, wait=False, timeout=60) for averager in (a, b)]
+        for step in steps:
+            step.allow_allreduce()
+        assert [len(step.result(timeout=20)) for step in steps] == [2, 2]
+        assert late.cancelled()
+        assert values(b) == 1.0
