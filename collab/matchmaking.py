@@ -94,8 +94,8 @@ class EpochMatchmaking(Matchmaking):
         """hivemind's, after cancelling a late round of this averager that ``steps_aside`` for ``step``."""
         looking = self.step_control
         if looking is not None and not looking.done():
-            looking_epoch = _epoch_or_none(looking.data_for_gather)
-            next_epoch = _epoch_or_none(step.data_for_gather)
+            looking_epoch = gathered_round_epoch(looking.data_for_gather)  # this peer's own data: readable
+            next_epoch = gathered_round_epoch(step.data_for_gather)
             groupmates = self.current_leader is not None or bool(self.current_followers)
             if steps_aside(looking_epoch, next_epoch, looking.triggered, groupmates):
                 logger.warning(
@@ -109,11 +109,3 @@ class EpochMatchmaking(Matchmaking):
                 late = round(get_dht_time() - looking.scheduled_time, 3)
                 events.emit("round_given_up", seconds=late, reason="next_round")
         return await super().look_for_group(step)
-
-
-def _epoch_or_none(data_for_gather: bytes) -> int | None:
-    """The epoch a round of this peer gathers (its own data: readable, or no epoch)."""
-    try:
-        return gathered_round_epoch(data_for_gather)
-    except ValueError:
-        return None
