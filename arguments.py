@@ -160,6 +160,7 @@ class PeerArguments:
 
 MAX_LOCAL_STEPS = 100_000  # DiLoCo's largest tested interval is 500 inner steps; beyond this no round would happen
 MAX_OUTER_LEARNING_RATE = 10.0  # DiLoCo uses 0.7; far above 1 the outer step overshoots the pseudo-gradient
+MAX_SHUTDOWN_TIMEOUT = 3600.0  # seconds; also caps the derived deadline (collab.timeouts)
 
 
 @dataclass
@@ -212,6 +213,14 @@ class OptimizerArguments:
         metadata={
             "help": "Seconds one try to download the state from a peer may take (up to 8 peers are tried, with "
             "backoff). Default: derived from the state's size and --bandwidth, at least 120"
+        },
+    )
+    shutdown_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds from the first SIGTERM or Ctrl-C to a forced exit, which reports an unsaved model in its "
+            "exit code. Default: derived from the model's size and --bandwidth, at least 25. Give less than your "
+            "supervisor waits before SIGKILL (docker stop: 10 s, Kubernetes: 30 s); at most 3600"
         },
     )
     bandwidth: float = field(
@@ -275,9 +284,17 @@ class OptimizerArguments:
 
     def __post_init__(self) -> None:
         _require_positive(self, "target_batch_size", "matchmaking_time", "bandwidth")
-        for name in ("average_state_every", "averaging_timeout", "next_chunk_timeout", "load_state_timeout"):
+        for name in (
+            "average_state_every",
+            "averaging_timeout",
+            "next_chunk_timeout",
+            "load_state_timeout",
+            "shutdown_timeout",
+        ):
             if getattr(self, name) is not None:  # None: derived from the model and --bandwidth (collab/timeouts.py)
                 _require_positive(self, name)
+        if self.shutdown_timeout is not None and self.shutdown_timeout > MAX_SHUTDOWN_TIMEOUT:
+            _fail("shutdown_timeout", f"must be at most {MAX_SHUTDOWN_TIMEOUT:g} s (got {self.shutdown_timeout:g})")
         if not (isinstance(self.local_steps, int) and 0 <= self.local_steps <= MAX_LOCAL_STEPS):
             _fail("local_steps", f"must be an integer from 0 to {MAX_LOCAL_STEPS} (got {self.local_steps!r})")
         _require_positive(self, "outer_learning_rate", "topk_fraction")

@@ -254,6 +254,7 @@ def collaboration_timeouts(
         averaging_timeout=optimizer_args.averaging_timeout,
         next_chunk_timeout=optimizer_args.next_chunk_timeout,
         load_state_timeout=optimizer_args.load_state_timeout,
+        shutdown_timeout=optimizer_args.shutdown_timeout,
     )
     logger.info(timeouts.describe())
     return timeouts

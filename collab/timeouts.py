@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
+from arguments import MAX_SHUTDOWN_TIMEOUT  # the flag's cap caps the derived deadline too
+
 AVERAGING_TIMEOUT_FLOOR = 60.0  # seconds: today's default, enough for the demo's model on a LAN
 LOAD_STATE_TIMEOUT_FLOOR = 120.0
 SHUTDOWN_AVERAGING_WAIT_FLOOR = 10.0  # seconds a departing peer waits for its last background round, at least
@@ -35,7 +37,6 @@ SHUTDOWN_ALLOWANCE = 15.0  # seconds for the loop's last step and hivemind's and
 MAX_AVERAGING_TIMEOUT = 3600.0  # caps: a mistyped --bandwidth 0.001 must not make a peer wait for days
 MAX_NEXT_CHUNK_TIMEOUT = 600.0
 MAX_LOAD_STATE_TIMEOUT = 4 * 3600.0
-MAX_SHUTDOWN_DEADLINE = 3600.0
 
 ROUND_MARGIN = 2.0  # hivemind's advice: averaging_timeout about twice the all-reduce time
 CHUNK_MARGIN = 2.0
@@ -126,6 +127,7 @@ def derive_timeouts(
     averaging_timeout: float | None = None,
     next_chunk_timeout: float | None = None,
     load_state_timeout: float | None = None,
+    shutdown_timeout: float | None = None,
 ) -> Timeouts:
     """Timeouts for ``transfers``; the ones given (the flags set explicitly) are kept as they are.
 
@@ -133,7 +135,8 @@ def derive_timeouts(
     chunk timeouts; ``next_chunk_timeout`` = CHUNK_MARGIN x part, at least matchmaking_time (hivemind's default)
     and under half the averaging timeout; ``load_state_timeout`` = DOWNLOAD_MARGIN x state; each between its floor
     and its cap. The shutdown waits for the last round at most ROUND_MARGIN x round (within the averaging timeout),
-    then allows SHUTDOWN_ALLOWANCE and SAVE_MARGIN x the write of the model."""
+    then allows SHUTDOWN_ALLOWANCE and SAVE_MARGIN x the write of the model. A given ``shutdown_timeout`` is the
+    deadline, and the last round may take at most half of it: the save gets the other half."""
     chunk = next_chunk_timeout
     if chunk is None:
         chunk = _clamp(CHUNK_MARGIN * transfers.part_seconds, matchmaking_time, MAX_NEXT_CHUNK_TIMEOUT)
@@ -149,17 +152,21 @@ def derive_timeouts(
     if load is None:
         load = _clamp(DOWNLOAD_MARGIN * transfers.state_seconds, LOAD_STATE_TIMEOUT_FLOOR, MAX_LOAD_STATE_TIMEOUT)
     wait = min(averaging, max(SHUTDOWN_AVERAGING_WAIT_FLOOR, ROUND_MARGIN * transfers.round_seconds))
-    deadline = _clamp(
-        wait + SHUTDOWN_ALLOWANCE + SAVE_MARGIN * transfers.save_seconds,
-        SHUTDOWN_DEADLINE_FLOOR,
-        MAX_SHUTDOWN_DEADLINE,
-    )
+    if shutdown_timeout is None:
+        deadline = _clamp(
+            wait + SHUTDOWN_ALLOWANCE + SAVE_MARGIN * transfers.save_seconds,
+            SHUTDOWN_DEADLINE_FLOOR,
+            MAX_SHUTDOWN_TIMEOUT,
+        )
+    else:
+        deadline, wait = shutdown_timeout, min(wait, shutdown_timeout / 2)
     given = [
         name
         for name, value in (
             ("averaging_timeout", averaging_timeout),
             ("next_chunk_timeout", next_chunk_timeout),
             ("load_state_timeout", load_state_timeout),
+            ("shutdown_timeout", shutdown_timeout),
         )
         if value is not None
     ]

@@ -11,18 +11,18 @@ import signal
 import time
 
 from collab.signals import EXIT_NOT_SAVED
-from collab.timeouts import SHUTDOWN_DEADLINE_FLOOR
 from trainer.local import PeerProcess, wait_until
 
 SAVE_PAUSE = ["--faults", "pause_model_save@1=600"]  # tests/faulty_peer.py: the final save waits 10 minutes
-EXIT_BOUND = 60.0  # seconds past the tiny model's deadline (about 26 s) for the forced exit on a loaded machine
+DEADLINE = 6.0  # --shutdown_timeout, as a volunteer under docker stop (10 s) would give it
+EXIT_BOUND = 60.0  # seconds past the deadline for the forced exit on a loaded machine
 
 
 def test_a_peer_whose_final_save_cannot_finish_in_time_exits_non_zero_and_says_it_did_not_save(tmp_path, sample_data):
     out = tmp_path / "out"
     peer = PeerProcess(
         [*SAVE_PAUSE, "--experiment_prefix", f"unsaved{int(time.time())}", "--target_batch_size", "100000"]
-        + ["--output_dir", str(out)],
+        + ["--shutdown_timeout", str(DEADLINE), "--output_dir", str(out)],
         tmp_path / "peer.log",
         script="tests/faulty_peer.py",
     )
@@ -31,12 +31,13 @@ def test_a_peer_whose_final_save_cannot_finish_in_time_exits_non_zero_and_says_i
         assert peer.process.poll() is None, f"the peer exited before training; see {peer.log_path}"
         peer.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        code = peer.wait(timeout=SHUTDOWN_DEADLINE_FLOOR + EXIT_BOUND)
+        code = peer.wait(timeout=DEADLINE + EXIT_BOUND)
         waited = time.monotonic() - signalled
     finally:
         peer.stop()
     assert code == EXIT_NOT_SAVED
-    assert waited >= SHUTDOWN_DEADLINE_FLOOR, "the forced exit came before the shutdown deadline"
+    assert waited >= DEADLINE, "the forced exit came before the shutdown deadline"
+    assert f"shutdown deadline {DEADLINE:.0f} s" in peer.log(), "the start-up line does not give the deadline used"
     shutdown = peer.events("shutdown")
     assert len(shutdown) == 1 and shutdown[0]["saved"] is False and shutdown[0]["forced"] is True
     assert shutdown[0]["folder"] == str(out) and shutdown[0]["epoch"] is None

@@ -67,6 +67,8 @@ def test_config_round_trips_through_to_config(tmp_path):
         (["--batch_size_lead", "256", "--target_batch_size", "256"], "--batch_size_lead"),
         (["--next_chunk_timeout", "30", "--averaging_timeout", "60"], "--next_chunk_timeout"),
         (["--next_chunk_timeout", "0"], "--next_chunk_timeout"),
+        (["--shutdown_timeout", "0"], "--shutdown_timeout"),
+        (["--shutdown_timeout", "3601"], "--shutdown_timeout"),
         (["--initial_peers", "not-an-address"], "--initial_peers"),
         (["--initial_peers", "/ip4/127.0.0.1/tcp/31337"], "--initial_peers"),
         (["--host_maddrs", "/ip4/999.0.0.1/tcp/0"], "--host_maddrs"),

@@ -86,6 +86,16 @@ def test_explicit_timeouts_win_and_the_others_stay_consistent_with_them():
     assert derive_timeouts(transfers_100m(), 3.0, next_chunk_timeout=100.0).averaging_timeout == 250.0
 
 
+def test_an_explicit_shutdown_timeout_is_the_deadline_and_leaves_the_save_half_of_it():
+    # derived: a last round of up to 140 s, then 15 s and twice 8 s of writing: 171 s, more than docker stop waits
+    given = derive_timeouts(transfers_100m(), 3.0, shutdown_timeout=8.0)
+    assert given.shutdown_deadline == 8.0
+    assert given.shutdown_averaging_wait == 4.0
+    assert "shutdown_timeout as given" in given.how
+    # a timeout longer than the derived one keeps the derived wait for the last round
+    assert derive_timeouts(transfers_100m(), 3.0, shutdown_timeout=600.0).shutdown_averaging_wait == 140.0
+
+
 def test_a_mistyped_bandwidth_is_capped_not_days():
     timeouts = derive_timeouts(transfers_100m(bandwidth_mbit=0.001), matchmaking_time=3.0)
     assert timeouts.averaging_timeout == 3600.0 and timeouts.next_chunk_timeout == 600.0
