@@ -543,6 +543,15 @@ class TrainingArguments:
             "longest step (every try of a state download, then a round and a shutdown)"
         },
     )
+    shard_model: bool = field(
+        default=False,
+        metadata={
+            "help": "torchrun peers: shard the model's parameters and gradients across the ranks "
+            "(FSDP, ZeRO-3), so that each GPU holds 1/N of the model: for models larger than one GPU. Rank 0 keeps "
+            "the whole model in host memory for averaging. Costs an all-gather of the parameters per forward and "
+            "backward, and rank 0's optimizer step runs on its CPU. A plain peer (no torchrun) ignores it"
+        },
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches (processes)"})
     output_dir: str = field(
         default="outputs/peer",

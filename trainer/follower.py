@@ -57,7 +57,8 @@ def run_follower(config: PeerConfig, stop: threading.Event) -> None:
         task = TASKS[config.dataset.task]
         tokenizer = load_tokenizer(config.dataset)
         model, _ = build_model(config.dataset, tokenizer, config.training.seed)
-        model.to(device)
+        sharded = config.training.shard_model
+        model = ranks.shard(model, device) if sharded else model.to(device)
         batches = batch_stream(
             task.train_dataset(config.dataset, tokenizer),
             task.collator(tokenizer),
@@ -68,7 +69,7 @@ def run_follower(config: PeerConfig, stop: threading.Event) -> None:
             config.training.dataloader_num_workers,
             pin_memory=device.type == "cuda",
         )
-        epoch = follow(model, batches, config.training, device, amp_dtype)
+        epoch = follow(model, batches, config.training, device, amp_dtype, sharded)
         logger.info("Rank %d stopped with rank 0 at global epoch %d", rank, epoch)
     finally:
         events.open_event_log(None)

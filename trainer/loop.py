@@ -19,7 +19,7 @@ from arguments import TrainingArguments
 from collab import events
 from collab.callback import CollaborativeCallback, EpochReport
 from collab.errors import ConfigError
-from trainer.ranks import RankSync, StepStart
+from trainer.ranks import RankSync, ShardedRankSync, StepStart
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ def train(
     device: torch.device,
     stop: threading.Event,
     amp_dtype: torch.dtype | None,
+    sharded_model: torch.nn.Module | None = None,
 ) -> TrainingSummary:
     """Train until ``stop`` is set or the global epoch reaches ``max_steps``.
 
@@ -187,14 +188,16 @@ def train(
     when reuse_grad_buffers is off (its GradScaler is only needed with reuse_grad_buffers, which we do not use).
 
     Under torchrun this is rank 0's loop: the other ranks run ``follow``, and every step starts from rank 0's
-    parameters and steps on the gradients of all ranks (``trainer.ranks``).
+    parameters and steps on the gradients of all ranks (``trainer.ranks``). With ``sharded_model`` (``--shard_model``)
+    the ranks compute on their shards of it, and ``model`` is the whole model in host memory that hivemind trains.
     """
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    sync = RankSync(model, device)
+    sync = RankSync(model, device) if sharded_model is None else ShardedRankSync(sharded_model, device, model)
     samples_per_step = optimizer.batch_size_per_step * sync.ranks.world_size
     accumulation = training_args.gradient_accumulation_steps
     summary = TrainingSummary(start_epoch=optimizer.local_epoch)
     model.train()
+    sync.model.train()
     epochs = IntervalTimer(short_epoch_warning, optimizer.matchmaking_time)
     steps = IntervalTimer(slow_step_warning, optimizer.matchmaking_time)
     bar = tqdm(
@@ -207,7 +210,7 @@ def train(
 
     try:
         while sync.start_step(step_start()).keep_going:
-            loss_value = accumulate_gradients(model, batches, accumulation, device, amp_dtype, scaler.scale)
+            loss_value = accumulate_gradients(sync.model, batches, accumulation, device, amp_dtype, scaler.scale)
             # before unscaling: a rank's overflow reaches this scaler, which then backs off for every rank
             loss_value = sync.reduce_gradients(loss_value)
             scaler.unscale_(optimizer)
@@ -249,11 +252,12 @@ def follow(
     training_args: TrainingArguments,
     device: torch.device,
     amp_dtype: torch.dtype | None,
+    sharded: bool = False,
 ) -> int:
     """The loop of a torchrun rank other than 0: gradients on its own mini-batches, averaged into rank 0's step, and
     rank 0's parameters at the start of each step. Returns rank 0's last global epoch once rank 0 stops; signals are
-    rank 0's to act on (torchrun sends them to every rank)."""
-    sync = RankSync(model, device)
+    rank 0's to act on (torchrun sends them to every rank). ``sharded``: ``model`` is this rank's shard of it."""
+    sync = ShardedRankSync(model, device) if sharded else RankSync(model, device)
     model.train()
     while (start := sync.start_step(None)).keep_going:
         loss_value = accumulate_gradients(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 
@@ -12,10 +13,10 @@ from collab.dht import joined_fields, start_dht
 from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates
 from collab.schema import make_validators
 from collab.storage import atomic_directory
+from trainer import ranks
 from trainer.data import batch_stream, peer_data_seed
 from trainer.loop import TrainingSummary, autocast_dtype, flush_denormals, train
 from trainer.model import build_model, load_tokenizer
-from trainer.ranks import training_device
 from trainer.tasks import TASKS
 
 logger = logging.getLogger(__name__)
@@ -41,14 +42,21 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> TrainingSummary:
 
 def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummary:
     flush_denormals()
-    device = training_device()
+    device = ranks.training_device()
     amp_dtype = autocast_dtype(config.training, device)
     if config.training.fp16 and not config.training.bf16 and amp_dtype is None:
         logger.info("fp16 needs CUDA: training in fp32 on %s", device.type)
     task = TASKS[config.dataset.task]
     tokenizer = load_tokenizer(config.dataset)
     model, _ = build_model(config.dataset, tokenizer, config.training.seed)
-    model.to(device)
+    sharded_model = None
+    if config.training.shard_model and ranks.current().distributed:
+        # the whole model stays in host memory for hivemind; the ranks compute on their shards of a copy
+        sharded_model = ranks.shard(copy.deepcopy(model), device)
+    else:
+        if config.training.shard_model:
+            logger.info("--shard_model: this peer is one process (no torchrun), so nothing is sharded")
+        model.to(device)
     dataset = task.train_dataset(config.dataset, tokenizer)
     collator = task.collator(tokenizer)
     logger.info(
@@ -100,7 +108,7 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
             config.training.dataloader_num_workers,
             pin_memory=device.type == "cuda",
         )
-        summary = train(model, optimizer, callback, batches, config.training, device, stop, amp_dtype)
+        summary = train(model, optimizer, callback, batches, config.training, device, stop, amp_dtype, sharded_model)
     finally:
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:

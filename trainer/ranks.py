@@ -13,6 +13,11 @@ the saved model). Every rank computes gradients on its own data. Each optimizer 
 Parameters go out at every mini-step, changed or not: as many bytes as the gradients, over the machine's own links
 (NVLink or PCIe between GPUs), and never wrong after a change that only rank 0 saw.
 
+With ``--shard_model`` (``ShardedRankSync``) every rank holds only its shard of the model on its device (FSDP2's
+``fully_shard``, the ZeRO-3 of the seeds), and rank 0 keeps the whole model in host memory for hivemind: step 1
+sends rank 0's parameters out and each rank keeps its shard; step 3 gathers the ranks' mean gradients, already
+reduced into shards by FSDP, whole into rank 0's host model.
+
 A plain ``python run_trainer.py`` is one process without torch.distributed: ``ALONE``, and every exchange is a no-op.
 """
 
@@ -23,7 +28,7 @@ import datetime
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,10 +190,36 @@ def flat_collective_(tensors: Sequence[torch.Tensor], collective: Callable[[torc
 def parameters_checksum(model: torch.nn.Module) -> str:
     """The first 16 hex digits of the sha256 of the parameters' bytes, in order: equal on ranks with equal parameters.
     Costs one copy of the parameters to host memory."""
+    return _checksum(param.detach() for param in model.parameters())
+
+
+def _checksum(tensors: Iterable[torch.Tensor]) -> str:
     digest = hashlib.sha256()
-    for param in model.parameters():
-        digest.update(param.detach().reshape(-1).cpu().view(torch.uint8).numpy())
+    for tensor in tensors:
+        digest.update(tensor.reshape(-1).cpu().view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
+
+
+def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` sharded across the peer's ranks in place (FSDP2), each shard on ``device``; returns it.
+
+    Units: every module of a class the model names unsplittable (Hugging Face's ``_no_split_modules``: a
+    transformer layer) that holds no tied parameter, then the rest as the root unit, where tied weights (an MLM
+    head's decoder and the word embeddings) stay together. fully_shard moves one unit at a time to the device, so the
+    whole model is never there at once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (current().world_size,))
+    unsplittable = set(getattr(model, "_no_split_modules", None) or ())
+    seen: set[int] = set()
+    tied = set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (tied if id(param) in seen else seen).add(id(param))
+    for module in model.modules():
+        if type(module).__name__ in unsplittable and not any(id(p) in tied for p in module.parameters()):
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 class RankSync:
@@ -219,6 +250,7 @@ class RankSync:
                 world_size=self.ranks.world_size,
                 epoch=start.epoch,
                 checksum=parameters_checksum(self.model),
+                sharded=False,
             )
         return start
 
@@ -244,3 +276,93 @@ class RankSync:
 
 def _broadcast_from_rank_0(flat: torch.Tensor) -> None:
     dist.broadcast(flat, src=0)
+
+
+class ShardedRankSync(RankSync):
+    """``RankSync`` for a model sharded across the ranks (``shard``; module docstring, ``--shard_model``).
+
+    ``model`` is this rank's sharded model; rank 0 also gives ``swarm_model``, the same model whole in host memory:
+    the one hivemind averages, steps, downloads and saves. Rank 0's ``ranks_synced`` checksum is that of
+    ``swarm_model``, the other ranks' that of the model their shards assemble to."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        swarm_model: torch.nn.Module | None = None,
+        ranks: Ranks | None = None,
+    ):
+        super().__init__(model, device, ranks)
+        self.shards = list(model.parameters())
+        self.whole: dict[int, torch.Tensor] = {}
+        if self.ranks.rank == 0:
+            whole = list(swarm_model.parameters())
+            if [tuple(p.shape) for p in whole] != [tuple(p.shape) for p in self.shards]:
+                raise ValueError("swarm_model must be the sharded model's architecture, whole")
+            self.whole = {id(shard): param for shard, param in zip(self.shards, whole, strict=True)}
+
+    def start_step(self, start: StepStart | None) -> StepStart:
+        if not self.ranks.distributed:
+            return start
+        sent = [float(start.keep_going), float(start.epoch), start.loss_scale] if self.ranks.rank == 0 else [0.0] * 3
+        control = torch.tensor(sent, dtype=torch.float64, device=self.device)
+        dist.broadcast(control, src=0)
+        keep_going, epoch, loss_scale = control.tolist()
+        start = StepStart(keep_going=bool(keep_going), epoch=int(epoch), loss_scale=loss_scale)
+        if start.keep_going:
+            self._scatter_parameters()
+            if start.epoch != self.epoch:
+                self.epoch = start.epoch
+                events.emit(
+                    "ranks_synced",
+                    rank=self.ranks.rank,
+                    world_size=self.ranks.world_size,
+                    epoch=start.epoch,
+                    checksum=self._checksum(),
+                    sharded=True,
+                )
+        return start
+
+    @torch.no_grad()
+    def _scatter_parameters(self) -> None:
+        """Rank 0's whole parameters, one flat bucket at a time, to every rank, which keeps its own shard (FSDP2
+        shards dimension 0 as ``torch.chunk`` does)."""
+        rank, world_size = self.ranks.rank, self.ranks.world_size
+        for run in buckets(self.shards):
+            flat = torch.empty(sum(shard.numel() for shard in run), dtype=run[0].dtype, device=self.device)
+            if rank == 0:
+                flat.copy_(torch.cat([self.whole[id(shard)].detach().reshape(-1) for shard in run]))
+            dist.broadcast(flat, src=0)
+            for shard, values in zip(run, flat.split([shard.numel() for shard in run]), strict=True):
+                chunks = values.view(shard.shape).chunk(world_size, dim=0)
+                if rank < len(chunks):  # a tensor of fewer rows than ranks leaves the last ranks an empty shard
+                    shard.to_local().copy_(chunks[rank])
+
+    def _checksum(self) -> str:
+        """Every rank assembles each tensor (a collective); rank 0 reports its whole host model instead."""
+        assembled = (shard.detach().full_tensor() for shard in self.shards)
+        if self.ranks.rank != 0:
+            return _checksum(assembled)
+        for _ in assembled:
+            pass
+        return _checksum(self.whole[id(shard)].detach() for shard in self.shards)
+
+    def reduce_gradients(self, loss: float) -> float:
+        """FSDP has reduced each gradient to its mean across the ranks, in shards: assemble each tensor (a missing
+        one counts as zeros) into rank 0's host model, then the mean loss."""
+        if not self.ranks.distributed:
+            return loss
+        for shard in self.shards:
+            if shard.grad is None:
+                shard.grad = torch.zeros_like(shard)
+        for shard in self.shards:
+            gradient = shard.grad.full_tensor()
+            if self.ranks.rank == 0:
+                param = self.whole[id(shard)]
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                param.grad.copy_(gradient)
+        self.model.zero_grad(set_to_none=True)
+        loss_tensor = torch.tensor([loss], dtype=torch.float32, device=self.device)
+        dist.all_reduce(loss_tensor)
+        return loss_tensor.item() / self.ranks.world_size

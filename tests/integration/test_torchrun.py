@@ -4,8 +4,10 @@ Timeline. The plain peer A starts; the torchrun peer T joins it. Once T's ranks 
 epochs together, T gets SIGTERM: rank 0 must save the model and T exit within SHUTDOWN_BOUND seconds. A second
 torchrun peer U then joins (it downloads the state) and, once its ranks have started SYNCED_EPOCHS epochs, U's rank 1
 is killed with SIGKILL: U must exit non-zero within EXIT_BOUND seconds, and A must step on without it.
-Throughout, the swarm must have seen two peers (A's rounds), T's epochs must count both ranks' samples, and each
-peer's ranks must have started every epoch with the same parameters (their ``ranks_synced`` checksums).
+U shards its model across its ranks (``--shard_model``, FSDP on gloo). Throughout, the swarm must have seen two peers
+(A's rounds), T's and U's epochs must count both ranks' samples, and each peer's ranks must have started every
+epoch with the same parameters (their ``ranks_synced`` checksums; for U, rank 0's whole host model and what rank 1's
+shards assemble to).
 """
 
 from __future__ import annotations
@@ -46,10 +48,15 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
+def synced_records(peer: LocalProcess, rank: int) -> list[dict]:
+    """Rank ``rank``'s ``ranks_synced`` events."""
+    path = peer.events_path if rank == 0 else peer.events_path.with_name(f"{peer.events_path.stem}.rank{rank}.jsonl")
+    return read_events(path, "ranks_synced")
+
+
 def synced(peer: LocalProcess, rank: int) -> dict[int, str]:
     """{global epoch: parameters checksum} from rank ``rank``'s ``ranks_synced`` events."""
-    path = peer.events_path if rank == 0 else peer.events_path.with_name(f"{peer.events_path.stem}.rank{rank}.jsonl")
-    return {record["epoch"]: record["checksum"] for record in read_events(path, "ranks_synced")}
+    return {record["epoch"]: record["checksum"] for record in synced_records(peer, rank)}
 
 
 def epochs_of_both_ranks(peer: LocalProcess) -> set[int]:
@@ -79,8 +86,8 @@ def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_
     try:
         join = a.join_flags(120)
 
-        def torchrun_peer(name: str) -> LocalProcess:
-            argv = [*common, *join, "--output_dir", str(tmp_path / name)]
+        def torchrun_peer(name: str, *flags: str) -> LocalProcess:
+            argv = [*common, *join, *flags, "--output_dir", str(tmp_path / name)]
             peers.append(PeerProcess(argv, tmp_path / f"{name}.log", launcher=TWO_RANKS))
             return peers[-1]
 
@@ -89,7 +96,7 @@ def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_
         t.process.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
         t.wait(timeout=SHUTDOWN_BOUND)
 
-        u = torchrun_peer("U")
+        u = torchrun_peer("U", "--shard_model")
         u_epochs_synced = trained_together(u)
         a_rounds = a.averaging_group_sizes()
         victim = rank_pid(u.process.pid, 1)
@@ -113,7 +120,11 @@ def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_
     (shutdown,) = t.events("shutdown")
     assert shutdown["saved"] and shutdown["epoch"] >= t_epochs[-1]["epoch"], shutdown
     assert (tmp_path / "T" / "model.safetensors").exists()
-    # U started from the swarm's state, on both ranks
+    # U (--shard_model) started from the swarm's state: rank 1's shards assemble to rank 0's whole host model
     assert u.events("state_loaded") and min(u_epochs_synced) > 0, u_epochs_synced
     assert_ranks_agree(u, u_epochs_synced)
+    assert {record["sharded"] for rank in (0, 1) for record in synced_records(u, rank)} == {True}
+    assert {record["sharded"] for rank in (0, 1) for record in synced_records(t, rank)} == {False}
+    u_epochs = u.events("epoch")
+    assert u_epochs and all(e["samples"] == e["mini_steps"] * 2 * BATCH for e in u_epochs), u_epochs
     assert code != 0 and exit_seconds < EXIT_BOUND, (code, exit_seconds)

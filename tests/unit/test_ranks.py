@@ -3,6 +3,7 @@ exchange run for real by two processes over gloo on 127.0.0.1, as torchrun would
 
 from __future__ import annotations
 
+import copy
 import json
 import multiprocessing
 import os
@@ -118,7 +119,71 @@ def test_two_ranks_start_each_step_from_rank_0s_parameters_and_average_their_gra
 
     events_path = str(tmp_path / "peer.events.jsonl")
     synced = [read_events(rank_events_path(events_path, rank), "ranks_synced") for rank in (0, 1)]
-    assert [[(e["rank"], e["epoch"]) for e in records] for records in synced] == [[(0, 7)], [(1, 7)]]  # not at stop
+    assert [[(e["rank"], e["epoch"], e["sharded"]) for e in records] for records in synced] == [
+        [(0, 7, False)],
+        [(1, 7, False)],
+    ]  # not at stop
+    assert synced[0][0]["checksum"] == synced[1][0]["checksum"]
+
+
+def sharded_exchange(rank: int, port: int, out: str) -> None:
+    """One rank of a two-rank peer with --shard_model (a spawned process): each rank computes on its shard of a
+    small MLP; rank 0 also holds the whole model in host memory. One step; results to ``out``."""
+    from collab import events
+    from trainer.ranks import ShardedRankSync, StepStart, process_group, shard
+
+    os.environ.update({**TORCHRUN_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    events.open_event_log(rank_events_path(f"{out}/peer.events.jsonl", rank))
+    torch.manual_seed(rank)  # different parameters on each rank: rank 1's must become rank 0's
+    whole = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    with process_group(ranks_from_env(os.environ), timeout=60):
+        sharded = shard(copy.deepcopy(whole), torch.device("cpu"))
+        local_rows = [param.to_local().shape[0] for param in sharded.parameters()]
+        sync = ShardedRankSync(sharded, torch.device("cpu"), whole if rank == 0 else None)
+        sync.start_step(StepStart(True, 7, 1.0) if rank == 0 else None)
+        assembled = [param.detach().full_tensor().tolist() for param in sharded.parameters()]
+        loss = sharded(torch.full((4, 3), rank + 1.0)).sum()
+        loss.backward()
+        mean_loss = sync.reduce_gradients(loss.item())
+        sync.start_step(StepStart(False, 8, 1.0) if rank == 0 else None)
+    result = {"local_rows": local_rows, "assembled": assembled, "loss": loss.item(), "mean_loss": mean_loss}
+    if rank == 0:
+        result["whole"] = [param.tolist() for param in whole.parameters()]
+        result["whole_grads"] = [param.grad.tolist() for param in whole.parameters()]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(180)
+def test_sharded_ranks_compute_on_rank_0s_parameters_and_rank_0_gets_the_mean_gradient_whole(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks = [context.Process(target=sharded_exchange, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(150)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    rank_0, rank_1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+
+    # each rank holds half of each tensor's rows (a tensor of one row: all on rank 0, none on rank 1)
+    assert rank_0["local_rows"] == [3, 3, 1, 1] and rank_1["local_rows"] == [2, 2, 0, 0]
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    expected = [param.tolist() for param in reference.parameters()]
+    assert rank_0["whole"] == expected  # rank 0's host model, untouched by the step
+    assert rank_0["assembled"] == rank_1["assembled"] == expected  # both ranks computed on rank 0's parameters
+    # rank 0's host model gets the mean of both ranks' gradients: rank r's input is all r + 1
+    for value in (1.0, 2.0):
+        reference(torch.full((4, 3), value)).sum().backward()
+    for got, want in zip(rank_0["whole_grads"], reference.parameters(), strict=True):
+        assert torch.allclose(torch.tensor(got), want.grad / 2, atol=1e-6), (got, want.grad / 2)
+    assert rank_0["mean_loss"] == pytest.approx((rank_0["loss"] + rank_1["loss"]) / 2)
+
+    events_path = str(tmp_path / "peer.events.jsonl")
+    synced = [read_events(rank_events_path(events_path, rank), "ranks_synced") for rank in (0, 1)]
+    assert [[(e["epoch"], e["sharded"]) for e in records] for records in synced] == [[(7, True)], [(7, True)]]
+    # rank 0 reports its host model, rank 1 what its shards assemble to: the same bytes
     assert synced[0][0]["checksum"] == synced[1][0]["checksum"]
 
 
