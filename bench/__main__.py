@@ -190,9 +190,9 @@ def default_parts() -> list[str]:
 
 
 def run_header(wall_s: float, args) -> dict:
-    command = "make bench" if not args.quick else "python -m bench --quick"
-    if args.only:
-        command += " " + shlex.join(["--only", *args.only])
+    # make bench runs every part; a part alone is python -m bench's own flag
+    flags = (["--quick"] if args.quick else []) + (["--only", *args.only] if args.only else [])
+    command = shlex.join(["python", "-m", "bench", *flags]) if flags else "make bench"
     return {
         "date": datetime.date.today().isoformat(),
         "command": command,

@@ -28,6 +28,7 @@ import datetime
 import hashlib
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,6 +211,8 @@ def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP warns that an in-place op on a view it returns would skip its backward hook: the loop never does one
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device.type, (current().world_size,))
     unsplittable = set(getattr(model, "_no_split_modules", None) or ())
     seen: set[int] = set()

@@ -251,3 +251,16 @@ def test_report_renders_this_runs_figures_only():
     assert re.findall(r"\d{4}-\d{2}-\d{2}", text) == ["2000-01-02"]
     assert "Added link delay: 20 ms" in text and "on a 10 Mbit/s link" in text
     assert "Findings" not in text and "docs/benchmarks/" in text
+
+
+def test_the_report_names_the_command_that_ran():
+    import argparse
+
+    from bench.__main__ import run_header
+
+    def command(**args) -> str:
+        return run_header(60.0, argparse.Namespace(**{"quick": False, "only": None, **args}))["command"]
+
+    assert command() == "make bench"
+    assert command(only=["training", "link"]) == "python -m bench --only training link"
+    assert command(quick=True, only=["gpu"]) == "python -m bench --quick --only gpu"
