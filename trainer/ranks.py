@@ -236,26 +236,40 @@ class RankSync:
         self.ranks = current() if ranks is None else ranks
         self.epoch: int | None = None
 
+    sharded = False
+
     def start_step(self, start: StepStart | None) -> StepStart:
         """Rank 0 gives its ``start`` and gets it back; the others give None and get rank 0's, with its parameters."""
         if not self.ranks.distributed:
             return start
         sent = [float(start.keep_going), float(start.epoch), start.loss_scale] if self.ranks.rank == 0 else [0.0] * 3
         control = torch.tensor(sent, dtype=torch.float64, device=self.device)
-        flat_collective_([control, *(param.data for param in self.model.parameters())], _broadcast_from_rank_0)
+        self._send_start(control)
         keep_going, epoch, loss_scale = control.tolist()
         start = StepStart(keep_going=bool(keep_going), epoch=int(epoch), loss_scale=loss_scale)
-        if start.keep_going and start.epoch != self.epoch:
-            self.epoch = start.epoch
-            events.emit(
-                "ranks_synced",
-                rank=self.ranks.rank,
-                world_size=self.ranks.world_size,
-                epoch=start.epoch,
-                checksum=parameters_checksum(self.model),
-                sharded=False,
-            )
+        if start.keep_going:
+            self._receive_parameters()
+            if start.epoch != self.epoch:
+                self.epoch = start.epoch
+                events.emit(
+                    "ranks_synced",
+                    rank=self.ranks.rank,
+                    world_size=self.ranks.world_size,
+                    epoch=start.epoch,
+                    checksum=self._checksum(),
+                    sharded=self.sharded,
+                )
         return start
+
+    def _send_start(self, control: torch.Tensor) -> None:
+        """Rank 0's control values, and its parameters in the same exchange."""
+        flat_collective_([control, *(param.data for param in self.model.parameters())], _broadcast_from_rank_0)
+
+    def _receive_parameters(self) -> None:
+        """Nothing more: the parameters came with the control values."""
+
+    def _checksum(self) -> str:
+        return parameters_checksum(self.model)
 
     def reduce_gradients(self, loss: float) -> float:
         """Average every parameter's gradient (a missing one counts as zeros) and ``loss`` across ranks; returns the
@@ -288,6 +302,8 @@ class ShardedRankSync(RankSync):
     the one hivemind averages, steps, downloads and saves. Rank 0's ``ranks_synced`` checksum is that of
     ``swarm_model``, the other ranks' that of the model their shards assemble to."""
 
+    sharded = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -304,30 +320,11 @@ class ShardedRankSync(RankSync):
                 raise ValueError("swarm_model must be the sharded model's architecture, whole")
             self.whole = {id(shard): param for shard, param in zip(self.shards, whole, strict=True)}
 
-    def start_step(self, start: StepStart | None) -> StepStart:
-        if not self.ranks.distributed:
-            return start
-        sent = [float(start.keep_going), float(start.epoch), start.loss_scale] if self.ranks.rank == 0 else [0.0] * 3
-        control = torch.tensor(sent, dtype=torch.float64, device=self.device)
+    def _send_start(self, control: torch.Tensor) -> None:
         dist.broadcast(control, src=0)
-        keep_going, epoch, loss_scale = control.tolist()
-        start = StepStart(keep_going=bool(keep_going), epoch=int(epoch), loss_scale=loss_scale)
-        if start.keep_going:
-            self._scatter_parameters()
-            if start.epoch != self.epoch:
-                self.epoch = start.epoch
-                events.emit(
-                    "ranks_synced",
-                    rank=self.ranks.rank,
-                    world_size=self.ranks.world_size,
-                    epoch=start.epoch,
-                    checksum=self._checksum(),
-                    sharded=True,
-                )
-        return start
 
     @torch.no_grad()
-    def _scatter_parameters(self) -> None:
+    def _receive_parameters(self) -> None:
         """Rank 0's whole parameters, one flat bucket at a time, to every rank, which keeps its own shard (FSDP2
         shards dimension 0 as ``torch.chunk`` does)."""
         rank, world_size = self.ranks.rank, self.ranks.world_size

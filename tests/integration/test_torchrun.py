@@ -64,11 +64,16 @@ def epochs_of_both_ranks(peer: LocalProcess) -> set[int]:
 
 
 def trained_together(peer: LocalProcess) -> set[int]:
-    """The epochs both ranks of ``peer`` started with the same parameters, once they are SYNCED_EPOCHS."""
+    """The epochs both ranks of ``peer`` started with the same parameters, once they are SYNCED_EPOCHS and ``peer``
+    has averaged its gradients with the plain peer (a newcomer's first rounds may miss their group: epochs of about
+    1.5 s here can pass SYNCED_EPOCHS before one forms)."""
+
+    def ready() -> set[int] | None:
+        epochs = epochs_of_both_ranks(peer)
+        return epochs if len(epochs) >= SYNCED_EPOCHS and 2 in peer.averaging_group_sizes() else None
+
     return wait_until(
-        lambda: epochs_of_both_ranks(peer) if len(epochs_of_both_ranks(peer)) >= SYNCED_EPOCHS else None,
-        180,
-        f"{peer.log_path.stem}'s two ranks to start {SYNCED_EPOCHS} epochs together",
+        ready, 180, f"{peer.log_path.stem}'s two ranks to start {SYNCED_EPOCHS} epochs together and average with A"
     )
 
 

@@ -94,16 +94,23 @@ def exchange(rank: int, port: int, out: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_two_ranks_start_each_step_from_rank_0s_parameters_and_average_their_gradients(tmp_path):
-    context = multiprocessing.get_context("spawn")  # as torchrun: fresh processes, nothing inherited
+def run_two_ranks(target, out: Path) -> tuple[dict, dict]:
+    """``target(rank, port, out)`` in two spawned processes, as torchrun starts ranks (fresh, nothing inherited); the
+    results each wrote to ``out``."""
+    context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=exchange, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    ranks = [context.Process(target=target, args=(rank, port, str(out))) for rank in (0, 1)]
     for process in ranks:
         process.start()
     for process in ranks:
         process.join(150)
     assert [process.exitcode for process in ranks] == [0, 0]
-    rank_0, rank_1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    rank_0, rank_1 = (json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    return rank_0, rank_1
+
+
+def test_two_ranks_start_each_step_from_rank_0s_parameters_and_average_their_gradients(tmp_path):
+    rank_0, rank_1 = run_two_ranks(exchange, tmp_path)
 
     assert rank_0["start"] == rank_1["start"] == [True, 7, 1024.0]  # rank 0's word reaches rank 1
     assert rank_0["stop"] == rank_1["stop"] == [False, 8]
@@ -156,15 +163,7 @@ def sharded_exchange(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_sharded_ranks_compute_on_rank_0s_parameters_and_rank_0_gets_the_mean_gradient_whole(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=sharded_exchange, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(150)
-    assert [process.exitcode for process in ranks] == [0, 0]
-    rank_0, rank_1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    rank_0, rank_1 = run_two_ranks(sharded_exchange, tmp_path)
 
     # each rank holds half of each tensor's rows (a tensor of one row: all on rank 0, none on rank 1)
     assert rank_0["local_rows"] == [3, 3, 1, 1] and rank_1["local_rows"] == [2, 2, 0, 0]
