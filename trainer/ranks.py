@@ -231,12 +231,12 @@ class RankSync:
     Each rank emits ``ranks_synced`` (docs/EVENTS.md) with a checksum of its parameters when a step starts in a new
     global epoch, to its own events file: ranks of one peer must report the same checksums."""
 
+    sharded = False
+
     def __init__(self, model: torch.nn.Module, device: torch.device, ranks: Ranks | None = None):
         self.model, self.device = model, device
         self.ranks = current() if ranks is None else ranks
         self.epoch: int | None = None
-
-    sharded = False
 
     def start_step(self, start: StepStart | None) -> StepStart:
         """Rank 0 gives its ``start`` and gets it back; the others give None and get rank 0's, with its parameters."""
