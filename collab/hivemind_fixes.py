@@ -392,12 +392,15 @@ class StaleRoundWatchdog:
                 cancelled.append(control)
                 by_epoch = watch.epoch is not None and swarm_epoch is not None
                 if by_epoch:
-                    reason = f"the swarm is at epoch {swarm_epoch}: this round's group (epoch {watch.epoch}) formed"
+                    reason = (
+                        f"the swarm is at epoch {swarm_epoch}: this round's group (epoch {watch.epoch}) formed "
+                        "without it"
+                    )
                 else:
-                    reason = "its epoch's group formed"
+                    reason = "its epoch's group formed without it"
                 logger.warning(
-                    "Gave up an averaging round still looking for a group %.1f s after this peer was ready: %s "
-                    "without it. This epoch goes on with this peer's own values",
+                    "Gave up an averaging round still looking for a group %.1f s after this peer was ready: %s. "
+                    "This epoch goes on with this peer's own values",
                     seconds,
                     reason,
                 )

@@ -339,12 +339,10 @@ class ShardedRankSync(RankSync):
                     shard.to_local().copy_(chunks[rank])
 
     def _checksum(self) -> str:
-        """Every rank assembles each tensor (a collective); rank 0 reports its whole host model instead."""
-        assembled = (shard.detach().full_tensor() for shard in self.shards)
+        """Every rank assembles each tensor, one at a time (a collective); rank 0 reports its whole host model."""
+        assembled = _checksum(shard.detach().full_tensor() for shard in self.shards)
         if self.ranks.rank != 0:
-            return _checksum(assembled)
-        for _ in assembled:
-            pass
+            return assembled
         return _checksum(self.whole[id(shard)].detach() for shard in self.shards)
 
     def reduce_gradients(self, loss: float) -> float:
