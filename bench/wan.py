@@ -151,19 +151,16 @@ class Plan:
     shadow_peers: int = 2
     shadow_layers: int = 12
     shadow_seconds: float = 120.0
-    shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm", "lowcomm_state_every_2")
+    # lowcomm_state_every_2, the parameter rounds of before 2026-11-26, runs when named (--shadow_modes)
+    shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm")
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
 
 
 # A round ends when the swarm has processed H x target_batch_size samples, so each of 3 peers takes H x 256 / (3 x 16)
 # inner steps between rounds: 267 at H 50, where 8 bits both ways (2 x 2(N-1)/N x 8 bits) make 0.08 bits per
-# parameter per inner step.
+# parameter per inner step. H 10 runs in the shadow way, where its rounds last what the setting's would.
 FULL = Plan(
-    lowcomm_variants={
-        "H 10, 8bit": lowcomm_flags(10, "8bit"),
-        "H 50, 8bit": lowcomm_flags(50, "8bit"),
-        "H 50, topk": lowcomm_flags(50, "topk"),
-    },
+    lowcomm_variants={"H 50, 8bit": lowcomm_flags(50, "8bit"), "H 50, topk": lowcomm_flags(50, "topk")},
 )
 QUICK = Plan(
     seconds=30.0,
@@ -177,8 +174,9 @@ QUICK = Plan(
 
 
 def progress_ticks(plan: Plan) -> int:
-    """How many times ``measure`` reports progress: alone, synchronous, each variant, the loss runs, shadow x 5."""
-    return 7 + len(plan.lowcomm_variants)
+    """How many times ``measure`` reports progress: alone, synchronous, each variant, two loss runs, each shadow
+    run."""
+    return 4 + len(plan.lowcomm_variants) + len(plan.shadow_modes)
 
 
 def trainer_has_flag(name: str) -> bool:
@@ -188,15 +186,15 @@ def trainer_has_flag(name: str) -> bool:
     return any(field.name == name for group in TRAINER_ARGUMENTS for field in dataclasses.fields(group))
 
 
-def round_counts(events_path: Path, start: float, end: float, event: str) -> int | None:
-    """A peer's ``averaged`` gradient (or pseudo-gradient) rounds, or its ``round_given_up`` events, between ``start``
-    and ``end``, from its events file; None where it wrote none."""
+def round_counts(events_path: Path, start: float, end: float, event: str, parameters: bool = False) -> int | None:
+    """A peer's ``averaged`` gradient (or pseudo-gradient) rounds, its parameter rounds (``parameters``), or its
+    ``round_given_up`` events, between ``start`` and ``end``, from its events file; None where it wrote none."""
     if not events_path.exists():
         return None
     from collab.events import read_events
 
     records = read_events(events_path, event)
-    return sum(1 for record in records if record.get("kind") != "parameters" and start < record["time"] <= end)
+    return sum(1 for r in records if (r.get("kind") == "parameters") == parameters and start < r["time"] <= end)
 
 
 def link_flags(rate_mbit: float) -> list[str]:
@@ -216,6 +214,7 @@ def default_model_params() -> int:
 
 
 MAX_WINDOW_S = 600.0
+WARM_UP_STEPS = 5  # steps each peer of an alone run takes before its window opens
 
 
 def window_s(seconds: float, epoch_s: float) -> float:
@@ -239,10 +238,10 @@ def run_swarm(
     """One process per peer, each in its namespace; ``together``: one swarm, else each alone (own experiment).
 
     Peers start on a fast link (a newcomer's state download is not measured); once every peer is training, the links
-    are shaped to ``rate_mbit``, one epoch passes, and then ``seconds`` are measured: samples/s of all the peers and
-    each peer's link bytes by the kernel's counters. With ``stop_at_samples`` the peers instead run until the swarm has
-    processed that many samples per peer (the swarm's total, so that two runs stop at equal samples however the peers
-    share them), and their saved models are returned.
+    are shaped to ``rate_mbit``, one epoch passes (alone: each peer's first steps), and then ``seconds`` are
+    measured: samples/s of all the peers and each peer's link bytes by the kernel's counters. With
+    ``stop_at_samples`` the peers instead run until the swarm has processed that many samples per peer (the swarm's
+    total, so that two runs stop at equal samples however the peers share them), and their saved models are returned.
     """
     stamp = int(time.time())
     steps = [log_dir / f"{name}_{rank}.steps.jsonl" for rank in range(len(network.peers))]
@@ -289,10 +288,13 @@ def run_swarm(
         wait_for(lambda: all(records()), 300, f"{name}: every peer training", 1, started)
         if rate_mbit is not None:
             network.set_rates(rate_mbit, rate_mbit)
-        if not stop_at_samples:
+        if together and not stop_at_samples:
             shaped, shaped_epoch = time.time(), max(steps[-1][2] for steps in records())
             wait_for(lambda: min(s[-1][2] for s in records()) > shaped_epoch, 900, f"{name}: an epoch", 1, started)
             seconds = window_s(seconds, time.time() - shaped)
+        elif not together:
+            # alone, a peer averages nothing: past its first steps its rate is steady, whatever its epoch's length
+            wait_for(lambda: min(map(len, records())) >= WARM_UP_STEPS, 300, f"{name}: warmed up", 1, started)
         counters, start = network.counters(), time.time()
         if stop_at_samples:
             wait_for(
@@ -322,6 +324,8 @@ def run_swarm(
         # a round given up lets a peer go on with its own gradients: a swarm that averages rarely looks fast
         "averaging_rounds": [round_counts(path, start, end, "averaged") for path in events],
         "rounds_given_up": [round_counts(path, start, end, "round_given_up") for path in events],
+        # a window of the low-communication mode may hold none of its rare parameter rounds, and look faster
+        "parameter_rounds": [round_counts(path, start, end, "averaged", parameters=True) for path in events],
         "exit_codes": codes,
         "models": outputs,
     }
@@ -341,8 +345,6 @@ def _public(run: dict) -> dict:
 
 def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     """Real compute, rate scaling: alone, synchronous, then each low-communication variant, on one hub network."""
-    from bench.training import held_out_loss
-
     params = default_model_params()
     common = ["--target_batch_size", str(plan.target_batch_size)]
     with hub_network(plan.peers, FAST_LINK_MBIT, FAST_LINK_MBIT) as network:
@@ -376,22 +378,6 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
             else:
                 lowcomm[variant] = None
             progress(f"wan: {variant}")
-        loss = None
-        if available:
-            stop = plan.loss_steps_per_peer * 16
-            losses = {}
-            for mode, flags in (("sync", []), ("lowcomm", list(plan.loss_variant))):
-                run = run_swarm(network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_samples=stop)
-                # a peer whose clean shutdown ran past its deadline saved no model
-                saved = [folder for folder in run["models"] if (Path(folder) / "config.json").exists()]
-                losses[mode] = {
-                    "samples": run["samples"],
-                    "exit_codes": run["exit_codes"],
-                    "losses": [held_out_loss(folder) for folder in saved],
-                }
-            mean = {mode: sum(v["losses"]) / len(v["losses"]) if v["losses"] else None for mode, v in losses.items()}
-            loss = {**losses, "ratio": ratio(mean["lowcomm"], mean["sync"]), "variant": " ".join(plan.loss_variant)}
-        progress("wan: loss")
     return {
         "params": params,
         "epoch_compute_s": epoch_compute_s,
@@ -405,8 +391,33 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
         },
         "lowcomm": lowcomm,
         "lowcomm_available": available,
-        "loss": loss,
     }
+
+
+def loss_at_equal_samples(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict | None:
+    """Real compute on fast links: the synchronous mode and ``plan.loss_variant`` each train the default model until
+    the swarm has processed ``loss_steps_per_peer`` micro-batches of 16 per peer; held-out loss of each saved model.
+    None where ``run_trainer.py`` has no low-communication mode."""
+    from bench.training import held_out_loss
+
+    if not trainer_has_flag("local_steps"):
+        return None
+    common = ["--target_batch_size", str(plan.target_batch_size)]
+    stop = plan.loss_steps_per_peer * 16
+    losses = {}
+    with hub_network(plan.peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wanls", subnet="10.78.2") as network:
+        for mode, flags in (("sync", []), ("lowcomm", list(plan.loss_variant))):
+            run = run_swarm(network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_samples=stop)
+            # a peer whose clean shutdown ran past its deadline saved no model
+            saved = [folder for folder in run["models"] if (Path(folder) / "config.json").exists()]
+            losses[mode] = {
+                "samples": run["samples"],
+                "exit_codes": run["exit_codes"],
+                "losses": [held_out_loss(folder) for folder in saved],
+            }
+            progress(f"wan: loss, {mode}")
+    mean = {mode: sum(v["losses"]) / len(v["losses"]) if v["losses"] else None for mode, v in losses.items()}
+    return {**losses, "ratio": ratio(mean["lowcomm"], mean["sync"]), "variant": " ".join(plan.loss_variant)}
 
 
 # H of the shadow run's low-communication mode: an outer round every 10 global batches (about 30 s of compute at
@@ -483,7 +494,7 @@ def shadow_together(runs: dict, numel: int) -> dict:
     return together
 
 
-WAYS = {"rate_scaled": rate_scaled, "shadow": shadow}
+WAYS = {"rate_scaled": rate_scaled, "shadow": shadow, "loss": loss_at_equal_samples}
 
 
 def measure(
@@ -513,7 +524,8 @@ def summarize(wan: dict) -> dict:
         bits |= {name: run["bits_per_param_per_step"] for name, run in scaled["lowcomm"].items() if run}
         summary["wan_efficiency_sync"] = scaled["sync"]["efficiency"]
         summary["wan_efficiency_lowcomm"] = best and best["efficiency"]
-        summary["lowcomm_loss_ratio"] = scaled["loss"] and scaled["loss"]["ratio"]
+    if wan.get("loss"):
+        summary["lowcomm_loss_ratio"] = wan["loss"]["ratio"]
     summary["bits_per_param_per_step"] = bits or None
     return summary
 
@@ -525,7 +537,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, default=None, help="also write every figure as JSON here")
     parser.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS), help="ways of emulating to run")
     parser.add_argument(
-        "--shadow_modes", nargs="+", choices=list(shadow_runs(1)), default=None, help="the shadow way's runs (all)"
+        "--shadow_modes",
+        nargs="+",
+        choices=list(shadow_runs(1)),
+        default=None,
+        help="the shadow way's runs (all but lowcomm_state_every_2)",
     )
     parser.add_argument(
         "--shadow_seconds", type=float, default=None, help="measured window of each shadow run (120; quick 30)"

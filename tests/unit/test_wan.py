@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -24,6 +25,7 @@ from bench.wan import (
     bits_per_param_per_step,
     comm_to_compute,
     compute_s,
+    round_counts,
     scaled_rate_mbit,
     summarize,
     window_figures,
@@ -153,7 +155,6 @@ def wan_figures(lowcomm: dict) -> dict:
                 20.0, efficiency=0.2, bits_per_param_per_step=40.0, averaging_rounds=[5, 6], rounds_given_up=[1, 0]
             ),
             "lowcomm": lowcomm,
-            "loss": None,
         },
         "shadow": {
             "params": 124_439_808,
@@ -175,6 +176,21 @@ def test_summary_takes_the_best_low_communication_variant():
     assert set(summary) == set(SUMMARY_KEYS)
 
 
+def test_the_loss_runs_give_the_loss_ratio_and_the_report_names_both_losses():
+    from bench.report import wan_section
+
+    figures = wan_figures({"H 50, 8bit": None})
+    figures["loss"] = {
+        "sync": {"samples": [16000, 16000, 16000], "exit_codes": [0, 0, 0], "losses": [6.0, 6.2]},
+        "lowcomm": {"samples": [16016, 16000, 15984], "exit_codes": [0, 0, 0], "losses": [6.1, 6.3]},
+        "ratio": 1.0163,
+        "variant": "--local_steps 50",
+    }
+    assert summarize(figures)["lowcomm_loss_ratio"] == 1.0163
+    text = wan_section(figures)
+    assert "low-communication (--local_steps 50) 6.1000, 6.3000, synchronous 6.0000, 6.2000; ratio **1.0163**" in text
+
+
 def test_report_marks_variants_not_available_and_names_each_way():
     from bench.report import wan_section
 
@@ -190,11 +206,14 @@ def test_report_shows_each_low_communication_run_after_its_own_alone_run():
     from bench.report import wan_section
 
     run = _run(90.0, efficiency=0.9, bits_per_param_per_step=0.08, alone=_run(100.0))
+    run |= {"averaging_rounds": [2, 2], "rounds_given_up": [0, 1], "parameter_rounds": [1, 0]}
     lines = wan_section(wan_figures({"H 50, 8bit": run})).splitlines()
     alone = lines.index(
-        "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | 60.00 |  |"
+        "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | 60.00 |  |  |"
     )
-    assert lines[alone + 1].startswith("| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.08 |")
+    assert lines[alone + 1] == (
+        "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.08 | 60.00 | 2 (0) / 2 (1) | 1 / 0 |"
+    )
 
 
 def test_window_holds_two_epochs_within_bounds():
@@ -271,3 +290,20 @@ def test_shadow_runs_without_their_alone_run_keep_their_figures_without_an_effic
     assert lowcomm_only["lowcomm"]["bits_per_param_per_step"] == pytest.approx(250e6 * 8 / 125e6 / 1000)
     both = shadow_together({"lowcomm_alone": run(150.0), "lowcomm": run(120.0)}, numel=125_000_000)
     assert both["lowcomm"]["efficiency"] == pytest.approx(0.8) and set(both) == {"lowcomm"}
+
+
+def test_rounds_in_a_window_are_counted_by_kind_from_the_events_file(tmp_path):
+    events = tmp_path / "peer.events.jsonl"
+    lines = [
+        {"time": 5.0, "event": "averaged", "kind": "gradients"},  # before the window
+        {"time": 11.0, "event": "averaged", "kind": "gradients"},
+        {"time": 12.0, "event": "averaged", "kind": "parameters"},
+        {"time": 13.0, "event": "round_given_up", "seconds": 2.0, "reason": "time"},
+        {"time": 14.0, "event": "averaged", "kind": "gradients"},
+        {"time": 21.0, "event": "averaged", "kind": "parameters"},  # after it
+    ]
+    events.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert round_counts(events, 10.0, 20.0, "averaged") == 2
+    assert round_counts(events, 10.0, 20.0, "averaged", parameters=True) == 1
+    assert round_counts(events, 10.0, 20.0, "round_given_up") == 1
+    assert round_counts(tmp_path / "none.jsonl", 10.0, 20.0, "averaged") is None
