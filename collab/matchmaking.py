@@ -11,7 +11,8 @@ epoch (``EpochMatchmaking``), so the late round finds no group and the stale-rou
 names no epoch (plain hivemind peers, parameter rounds, benchmarks) meets any other, as in hivemind. A join request
 whose gathered data cannot be read is refused: hivemind would fail the whole group's round on it later.
 
-hivemind holds a peer's next round back until its previous one stops looking for a group. A late round with no
+hivemind holds a peer's next round back until its previous one stops looking for a group, and a round that its
+owner cancels may look on for its whole timeout (``looking_until_cancelled``). A late round with no
 groupmate in sight when the next epoch's round is ready steps aside (``steps_aside``): else it would keep the next
 round from meeting the others' too, and the peer would miss every round after. A late round that is leading or
 following a group goes on: in a large swarm on busy machines such rounds still form, one epoch late.
@@ -19,12 +20,16 @@ following a group goes on: in a large swarm on busy machines such rounds still f
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
+from hivemind.utils.asyncio import cancel_and_wait
 from hivemind.utils.mpfuture import MPFuture
 
 from collab import events
@@ -73,7 +78,8 @@ def steps_aside(looking_epoch: int | None, next_epoch: int | None, triggered: bo
 
 class EpochMatchmaking(Matchmaking):
     """hivemind's ``Matchmaking`` whose leader also refuses followers of another epoch (module docstring), with
-    ``BAD_GROUP_KEY``: the follower goes on to the next potential leader, as for a group key that changed."""
+    ``BAD_GROUP_KEY``: the follower goes on to the next potential leader, as for a group key that changed; a round
+    stops looking as soon as its owner cancels it (``looking_until_cancelled``)."""
 
     def _check_reasons_to_reject(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -108,4 +114,32 @@ class EpochMatchmaking(Matchmaking):
                 MPFuture.cancel(looking)
                 late = round(get_dht_time() - looking.scheduled_time, 3)
                 events.emit("round_given_up", seconds=late, reason="next_round")
-        return await super().look_for_group(step)
+        return await looking_until_cancelled(super().look_for_group(step), step)
+
+
+OWNER_CANCEL_GRACE = 5.0  # seconds a round its owner cancelled may take to read as cancelled in this process
+
+
+async def looking_until_cancelled(looking_for_group, step: StepControl) -> GroupInfo | None:
+    """``looking_for_group`` (hivemind's matchmaking of ``step``), stopped as soon as the round's owner cancels it.
+
+    hivemind's averager stops matchmaking on the owner's cancel only if the round already reads as cancelled when the
+    cancel request arrives; the owner marks it so just after sending the request, and a round that did not read so
+    yet kept looking (and held the averager's next round back) for the rest of its averaging timeout."""
+    looking = asyncio.ensure_future(looking_for_group)
+    cancel_requested = asyncio.ensure_future(step.wait_for_cancel())
+    try:
+        await asyncio.wait({looking, cancel_requested}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await cancel_and_wait(looking)
+        raise
+    finally:
+        cancel_requested.cancel()
+    if looking.done():
+        return looking.result()
+    await cancel_and_wait(looking)
+    # hivemind's averager retries a round that does not read as cancelled yet: wait for the owner's mark
+    deadline = time.monotonic() + OWNER_CANCEL_GRACE
+    while not step.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    raise asyncio.CancelledError()

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils import MSGPackSerializer
+from hivemind.utils.mpfuture import MPFuture
 
 from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager, entry_point_patches_applied
 from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet, steps_aside
@@ -144,3 +146,36 @@ def test_a_late_round_alone_steps_aside_so_that_its_peers_next_round_meets_the_o
         assert [len(step.result(timeout=20)) for step in steps] == [2, 2]
         assert late.cancelled()
         assert values(b) == 1.0
+
+
+def cancel_marked_late(control: StepControl, delay: float) -> None:
+    """hivemind's ``StepControl.cancel`` by an owner that loses the CPU for ``delay`` seconds between its cancel
+    request to the averager and its own mark of the round as cancelled."""
+    control._trigger.cancel()
+    control._cancel.set_result(None)
+    time.sleep(delay)
+    MPFuture.cancel(control)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("averager_class", [DecentralizedAverager, FixedDecentralizedAverager])
+def test_a_round_its_owner_cancels_stops_looking_even_when_it_reads_as_cancelled_late(averager_class):
+    """hivemind's averager stops a round's matchmaking on its owner's cancel only if the round already reads as
+    cancelled when the request arrives: else it looks on, alone, for the rest of its timeout, and the averager's next
+    round waits for it. This is how two trainers at target 256 lost a whole averaging timeout. The fixed averager
+    stops looking, and its next round meets the other peer's."""
+    fixed = averager_class is FixedDecentralizedAverager
+    with averager_pair([averager_class] * 2, f"late_mark_{int(fixed)}") as (a, b):
+        control = a.step(require_trigger=True, wait=False, timeout=40)
+        wait_until(lambda: control.stage == AveragingStage.LOOKING_FOR_GROUP, 10, "the round to look for a group")
+        cancel_marked_late(control, 0.5)
+        time.sleep(3.0)
+        if not fixed:
+            assert control.stage == AveragingStage.LOOKING_FOR_GROUP, "plain hivemind stopped looking: fixed there?"
+            return
+        assert control.stage == AveragingStage.FINISHED and control.cancelled()
+        steps = [averager.step(require_trigger=True, wait=False, timeout=30) for averager in (a, b)]
+        for step in steps:
+            step.allow_allreduce()
+        assert [len(step.result(timeout=20)) for step in steps] == [2, 2]
+        assert values(a) == values(b) == 1.0
