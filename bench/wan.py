@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import math
 import signal
 import sys
 import time
@@ -35,6 +36,7 @@ from bench.procs import (
     read_json_lines,
     wait_for,
 )
+from collab.lowcomm import round_target_samples
 
 FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per parameter per token
 FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
@@ -232,16 +234,16 @@ def run_swarm(
     together: bool = True,
     module: str = "bench.probe",
     rate_mbit: float | None = None,
-    stop_at_samples: int | None = None,
+    stop_at_epoch: int | None = None,
     timeout: float = 1200,
 ) -> dict:
     """One process per peer, each in its namespace; ``together``: one swarm, else each alone (own experiment).
 
     Peers start on a fast link (a newcomer's state download is not measured); once every peer is training, the links
     are shaped to ``rate_mbit``, one epoch passes (alone: each peer's first steps), and then ``seconds`` are
-    measured: samples/s of all the peers and each peer's link bytes by the kernel's counters. With
-    ``stop_at_samples`` the peers instead run until the swarm has processed that many samples per peer (the swarm's
-    total, so that two runs stop at equal samples however the peers share them), and their saved models are returned.
+    measured: samples/s of all the peers and each peer's link bytes by the kernel's counters. With ``stop_at_epoch``
+    the peers instead train until that global epoch (``--max_steps``), where each one saves its model and leaves by
+    itself, and their saved models are returned.
     """
     stamp = int(time.time())
     steps = [log_dir / f"{name}_{rank}.steps.jsonl" for rank in range(len(network.peers))]
@@ -264,6 +266,8 @@ def run_swarm(
         for rank, peer in enumerate(network.peers):
             prefix = f"wan_{name}_{stamp}" + ("" if together else f"_{rank}")
             argv = [steps[rank], "--experiment_prefix", prefix, "--host_maddrs", f"/ip4/{peer.address}/tcp/0", *flags]
+            if stop_at_epoch:
+                argv += ["--max_steps", str(stop_at_epoch)]
             child = Child(
                 module,
                 [
@@ -288,7 +292,7 @@ def run_swarm(
         wait_for(lambda: all(records()), 300, f"{name}: every peer training", 1, started)
         if rate_mbit is not None:
             network.set_rates(rate_mbit, rate_mbit)
-        if together and not stop_at_samples:
+        if together and not stop_at_epoch:
             shaped, shaped_epoch = time.time(), max(steps[-1][2] for steps in records())
             wait_for(lambda: min(s[-1][2] for s in records()) > shaped_epoch, 900, f"{name}: an epoch", 1, started)
             seconds = window_s(seconds, time.time() - shaped)
@@ -296,19 +300,15 @@ def run_swarm(
             # alone, a peer averages nothing: past its first steps its rate is steady, whatever its epoch's length
             wait_for(lambda: min(map(len, records())) >= WARM_UP_STEPS, 300, f"{name}: warmed up", 1, started)
         counters, start = network.counters(), time.time()
-        if stop_at_samples:
-            wait_for(
-                lambda: sum(s[1] for peer in records() for s in peer) >= stop_at_samples * len(steps),
-                timeout,
-                f"{name}: {stop_at_samples} samples per peer on average",
-                2,
-                started,
-            )
+        if stop_at_epoch:
+            # stopped together by a signal, peers waiting on each other's last rounds ran past their shutdown deadline
+            codes = [child.wait() for child in started]
+            end, counters_end = time.time(), network.counters()
         else:
             wait_for(lambda: time.time() >= start + seconds, seconds + 60, f"{name}: the window", 1, started)
-        end, counters_end = time.time(), network.counters()
-        with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:  # all at once: none trains on meanwhile
-            codes = list(pool.map(lambda child: child.terminate(), started))
+            end, counters_end = time.time(), network.counters()
+            with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:  # all at once: none trains on meanwhile
+                codes = list(pool.map(lambda child: child.terminate(), started))
     window = window_figures(records(), start, end)
     traffic = [
         (after["tx_bytes"] - before["tx_bytes"]) + (after["rx_bytes"] - before["rx_bytes"])
@@ -394,20 +394,33 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
     }
 
 
+LOSS_RUN_S = 3600.0  # at most, each loss run
+
+
+def outer_rounds_for(samples: int, local_steps: int, target_batch_size: int) -> int:
+    """Outer rounds of ``local_steps x target_batch_size`` samples that hold at least ``samples``: the loss runs stop
+    at a round's end, the synchronous one after as many global epochs, so both modes process equal samples."""
+    return max(1, math.ceil(samples / round_target_samples(local_steps, target_batch_size)))
+
+
 def loss_at_equal_samples(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict | None:
-    """Real compute on fast links: the synchronous mode and ``plan.loss_variant`` each train the default model until
-    the swarm has processed ``loss_steps_per_peer`` micro-batches of 16 per peer; held-out loss of each saved model.
+    """Real compute on fast links: the synchronous mode and ``plan.loss_variant`` each train the default model for
+    equal samples, at least ``loss_steps_per_peer`` micro-batches of 16 per peer (``outer_rounds_for``); held-out loss
+    of each saved model.
     None where ``run_trainer.py`` has no low-communication mode."""
     from bench.training import held_out_loss
 
     if not trainer_has_flag("local_steps"):
         return None
     common = ["--target_batch_size", str(plan.target_batch_size)]
-    stop = plan.loss_steps_per_peer * 16
+    local_steps = int(plan.loss_variant[plan.loss_variant.index("--local_steps") + 1])
+    rounds = outer_rounds_for(plan.loss_steps_per_peer * plan.peers * 16, local_steps, plan.target_batch_size)
     losses = {}
     with hub_network(plan.peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wanls", subnet="10.78.2") as network:
-        for mode, flags in (("sync", []), ("lowcomm", list(plan.loss_variant))):
-            run = run_swarm(network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_samples=stop)
+        for mode, flags, epochs in (("sync", [], rounds * local_steps), ("lowcomm", list(plan.loss_variant), rounds)):
+            run = run_swarm(
+                network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_epoch=epochs, timeout=LOSS_RUN_S
+            )
             # a peer whose clean shutdown ran past its deadline saved no model
             saved = [folder for folder in run["models"] if (Path(folder) / "config.json").exists()]
             losses[mode] = {

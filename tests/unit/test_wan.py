@@ -25,6 +25,7 @@ from bench.wan import (
     bits_per_param_per_step,
     comm_to_compute,
     compute_s,
+    outer_rounds_for,
     round_counts,
     scaled_rate_mbit,
     summarize,
@@ -307,3 +308,11 @@ def test_rounds_in_a_window_are_counted_by_kind_from_the_events_file(tmp_path):
     assert round_counts(events, 10.0, 20.0, "averaged", parameters=True) == 1
     assert round_counts(events, 10.0, 20.0, "round_given_up") == 1
     assert round_counts(tmp_path / "none.jsonl", 10.0, 20.0, "averaged") is None
+
+
+def test_loss_runs_stop_at_a_round_end_holding_the_samples_asked_for():
+    # 3 peers x 1000 micro-batches of 16 = 48000 samples; an H 50 round at target 256 holds 12800
+    assert outer_rounds_for(48_000, 50, 256) == 4
+    assert outer_rounds_for(12_800, 50, 256) == 1
+    assert outer_rounds_for(12_801, 50, 256) == 2
+    assert outer_rounds_for(10, 50, 256) == 1
