@@ -330,8 +330,9 @@ def wan_section(wan: dict) -> str:
         lines.append(f"Not available in this run (no `--local_steps` in run_trainer.py): {', '.join(missing)}.")
     if loss:
         lines.append(
-            f"Held-out loss at equal samples ({loss['lowcomm']['samples']} and {loss['sync']['samples']} samples per "
-            f"peer, real compute, fast links): low-communication ({loss['variant']}) "
+            f"Held-out loss after equal global batches ({loss['lowcomm']['samples']} and {loss['sync']['samples']} "
+            f"samples per peer, real compute, fast links, {loss.get('common', 'default flags')}): low-communication "
+            f"({loss['variant']}) "
             f"{', '.join(_f(x, 4) for x in loss['lowcomm']['losses'])}, synchronous "
             f"{', '.join(_f(x, 4) for x in loss['sync']['losses'])}; ratio **{_f(loss['ratio'], 4)}**."
         )

@@ -156,6 +156,9 @@ class Plan:
     # lowcomm_state_every_2, the parameter rounds of before 2026-11-26, runs when named (--shadow_modes)
     shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm")
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
+    # both loss runs: at target 256 the default rate (0.2) plateaus, then diverges in both modes near 45,000 samples
+    # (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-loss.md); 0.05 trains
+    loss_flags: tuple[str, ...] = ("--learning_rate", "0.05")
 
 
 # A round ends when the swarm has processed H x target_batch_size samples, so each of 3 peers takes H x 256 / (3 x 16)
@@ -412,7 +415,7 @@ def loss_at_equal_samples(plan: Plan, log_dir: Path, progress: Callable[[str], N
 
     if not trainer_has_flag("local_steps"):
         return None
-    common = ["--target_batch_size", str(plan.target_batch_size)]
+    common = ["--target_batch_size", str(plan.target_batch_size), *plan.loss_flags]
     local_steps = int(plan.loss_variant[plan.loss_variant.index("--local_steps") + 1])
     rounds = outer_rounds_for(plan.loss_steps_per_peer * plan.peers * 16, local_steps, plan.target_batch_size)
     losses = {}
@@ -430,7 +433,12 @@ def loss_at_equal_samples(plan: Plan, log_dir: Path, progress: Callable[[str], N
             }
             progress(f"wan: loss, {mode}")
     mean = {mode: sum(v["losses"]) / len(v["losses"]) if v["losses"] else None for mode, v in losses.items()}
-    return {**losses, "ratio": ratio(mean["lowcomm"], mean["sync"]), "variant": " ".join(plan.loss_variant)}
+    return {
+        **losses,
+        "ratio": ratio(mean["lowcomm"], mean["sync"]),
+        "variant": " ".join(plan.loss_variant),
+        "common": " ".join(common),
+    }
 
 
 # H of the shadow run's low-communication mode: an outer round every 10 global batches (about 30 s of compute at

@@ -186,9 +186,11 @@ def test_the_loss_runs_give_the_loss_ratio_and_the_report_names_both_losses():
         "lowcomm": {"samples": [16016, 16000, 15984], "exit_codes": [0, 0, 0], "losses": [6.1, 6.3]},
         "ratio": 1.0163,
         "variant": "--local_steps 50",
+        "common": "--target_batch_size 256 --learning_rate 0.05",
     }
     assert summarize(figures)["lowcomm_loss_ratio"] == 1.0163
     text = wan_section(figures)
+    assert "fast links, --target_batch_size 256 --learning_rate 0.05): low-communication (--local_steps 50) " in text
     assert "low-communication (--local_steps 50) 6.1000, 6.3000, synchronous 6.0000, 6.2000; ratio **1.0163**" in text
 
 
