@@ -402,15 +402,16 @@ LOSS_RUN_S = 3600.0  # at most, each loss run
 
 def outer_rounds_for(samples: int, local_steps: int, target_batch_size: int) -> int:
     """Outer rounds of ``local_steps x target_batch_size`` samples that hold at least ``samples``: the loss runs stop
-    at a round's end, the synchronous one after as many global epochs, so both modes process equal samples."""
+    at a round's end, the synchronous one after as many global batches (``local_steps`` epochs a round)."""
     return max(1, math.ceil(samples / round_target_samples(local_steps, target_batch_size)))
 
 
-def loss_at_equal_samples(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict | None:
+def loss_after_equal_batches(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict | None:
     """Real compute on fast links: the synchronous mode and ``plan.loss_variant`` each train the default model for
-    equal samples, at least ``loss_steps_per_peer`` micro-batches of 16 per peer (``outer_rounds_for``); held-out loss
-    of each saved model.
-    None where ``run_trainer.py`` has no low-communication mode."""
+    the same global batches, at least ``loss_steps_per_peer`` micro-batches of 16 per peer (``outer_rounds_for``);
+    the held-out loss of each saved model, and the samples each peer processed (a synchronous epoch also counts the
+    micro-batches in flight when its target is reached). None where ``run_trainer.py`` has no low-communication
+    mode."""
     from bench.training import held_out_loss
 
     if not trainer_has_flag("local_steps"):
@@ -515,7 +516,7 @@ def shadow_together(runs: dict, numel: int) -> dict:
     return together
 
 
-WAYS = {"rate_scaled": rate_scaled, "shadow": shadow, "loss": loss_at_equal_samples}
+WAYS = {"rate_scaled": rate_scaled, "shadow": shadow, "loss": loss_after_equal_batches}
 
 
 def measure(
