@@ -396,7 +396,7 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   GPT-2-shaped gradients with a calibrated wait for forward and backward (utilisation and traffic only, never loss).
   Rounds averaged and given up are the peers' `averaged` and `round_given_up` events; a window that holds none of
   the low-communication mode's rare parameter rounds reads a little fast. The loss runs train the default model on
-  fast links until the swarm has processed equal samples in each mode.
+  fast links for the same global batches in each mode, each peer stopping at a round's end (`--max_steps`).
 """
 
 
