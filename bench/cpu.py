@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainer.local import process_tree, stat_fields
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 TRAINING_LOOP = "training loop"  # the trainer's main thread: forward, backward, clipping, hivemind.Optimizer.step
 TRAINER_THREADS = "trainer's other threads"  # delayed Lamb step, progress tracker, hivemind's event loop
@@ -21,32 +23,10 @@ P2PD = "p2pd"  # libp2p daemon (Go), one per DHT
 KINDS = (TRAINING_LOOP, TRAINER_THREADS, HIVEMIND_PROCESSES, P2PD)
 
 
-def stat_fields(path: str) -> list[str] | None:
-    """Fields of a /proc stat file after the command name (which may hold spaces): index 0 is field 3, the state."""
-    try:
-        return Path(path).read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def thread_cpu_seconds(pid: int, tid: int) -> float | None:
     """User + system CPU seconds of one thread so far (fields 14 and 15 of its stat), None once it is gone."""
     fields = stat_fields(f"/proc/{pid}/task/{tid}/stat")
     return None if fields is None else (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every live descendant."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := stat_fields(f"/proc/{entry}/stat")) is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    tree, queue = [], [root]
-    while queue:
-        pid = queue.pop()
-        tree.append(pid)
-        queue.extend(children.get(pid, []))
-    return tree
 
 
 def kind_of(root: int, pid: int, tid: int) -> str:

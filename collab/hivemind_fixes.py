@@ -51,6 +51,11 @@ and each child holds pipe ends inherited from the others, so none sees its paren
 the averagers live on, still answering in the swarm. Each child now checks every second that the process that
 started it is alive, and otherwise ends itself (the DHT's p2pd first).
 
+Helpers killed by the signal meant for their peer. hivemind starts the DHT (and its p2pd) and the averagers in the
+peer's process group, so Ctrl-C in a terminal, or SIGTERM to the group, reaches them as it reaches the peer: p2pd and
+the averagers died at once while the peer was still finishing its step, its last round hung until the shutdown
+deadline (exit 3, model not saved), its goodbye was never sent and its log filled with tracebacks. They now run in a process group of their own, and the peer stops them itself.
+
 8-bit gradients that cannot be read. ``Quantization.extract`` reads the codebook size with ``int()`` on a
 one-element array, which numpy 2 refuses (TypeError), so every 8-bit part a peer received broke its round. We read
 that one value by index.
@@ -482,6 +487,16 @@ def exit_when_parent_dies(parent_pid: int, before_exit=lambda: None) -> threadin
     return thread
 
 
+def leave_the_peers_process_group() -> None:
+    """Run this helper process, and what it starts (the DHT's p2pd), in a process group of its own.
+
+    A terminal's Ctrl-C and ``kill -- -PGID`` signal the peer's whole process group. The helpers must outlive that
+    signal: the peer's main process finishes its step, its last round and its goodbye through them, then stops them
+    itself. They still end with it when it dies (``exit_when_parent_dies``)."""
+    with contextlib.suppress(PermissionError):  # a group or session leader already
+        os.setpgid(0, 0)
+
+
 def _stop_p2p_daemon(dht) -> None:
     node = getattr(dht, "_node", None)
     if node is not None:
@@ -515,10 +530,10 @@ def quantization_extract(self, serialized_tensor) -> torch.Tensor:
 class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the fixes above that live in the averager: SIGINT kept, senders
     waiting for their group, declarations stored only when changed, rounds marked for the stale-round watchdog, and
-    a process that keeps its tasks and ends with its parent. With ``round_epoch`` (a callable giving the epoch of the
-    round that ``step`` begins) its rounds meet only rounds of their epoch (``collab.matchmaking``), and with
-    ``tracked_swarm_epoch`` (a callable giving the swarm's epoch as the progress tracker sees it) its rounds of a known
-    epoch are given up by epoch, not by time (``is_stale_round``).
+    a process that keeps its tasks, is spared the signals meant for its peer and ends with its parent. With
+    ``round_epoch`` (a callable giving the epoch of the round that ``step`` begins) its rounds meet only rounds of
+    their epoch (``collab.matchmaking``), and with ``tracked_swarm_epoch`` (a callable giving the swarm's epoch as the
+    progress tracker sees it) its rounds of a known epoch are given up by epoch, not by time (``is_stale_round``).
 
     Put it last among the bases (``class A(Mixin, GradientAverager, FixedDecentralizedAverager)``) so that it sits
     under hivemind's own subclasses, whose ``step`` is another method that calls this one. RPC handlers keep
@@ -538,8 +553,9 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     tracked_swarm_epoch = None
 
     def run(self) -> None:
-        """The averager's own process: keeps its tasks, matches rounds of one epoch only (hivemind's module, in this
-        process only) and ends with the process that started it."""
+        """The averager's own process: in a process group of its own, keeps its tasks, matches rounds of one epoch
+        only (hivemind's module, in this process only) and ends with the process that started it."""
+        leave_the_peers_process_group()
         exit_when_parent_dies(self._parent_pid)
         hivemind.averaging.averager.switch_to_uvloop = switch_to_uvloop_keeping_tasks
         hivemind.averaging.averager.Matchmaking = EpochMatchmaking
@@ -547,10 +563,11 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
 
 
 class FixedDHT(hivemind.DHT):
-    """``hivemind.DHT`` whose process keeps its tasks (hivemind's module, in that process only) and ends, p2pd first,
-    with the process that started it."""
+    """``hivemind.DHT`` whose process keeps its tasks (hivemind's module, in that process only), is spared with its
+    p2pd the signals meant for its peer, and ends, p2pd first, with the process that started it."""
 
     def run(self) -> None:
+        leave_the_peers_process_group()
         exit_when_parent_dies(self._parent_pid, lambda: _stop_p2p_daemon(self))
         hivemind.dht.dht.switch_to_uvloop = switch_to_uvloop_keeping_tasks
         super().run()

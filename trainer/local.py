@@ -45,6 +45,28 @@ CANCELLATIONS = ("asyncio.exceptions.CancelledError", "concurrent.futures._base.
 CONNECTION_ERRORS = ("ConnectionResetError", "BrokenPipeError", "ConnectionAbortedError")
 
 
+def stat_fields(path: str) -> list[str] | None:
+    """Fields of a /proc stat file after the command name (which may hold spaces): index 0 is field 3, the state."""
+    try:
+        return Path(path).read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every live descendant."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := stat_fields(f"/proc/{entry}/stat")) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        tree.append(pid)
+        queue.extend(children.get(pid, []))
+    return tree
+
+
 def tracebacks_from_our_code(log: str) -> list[str]:
     """The tracebacks in ``log`` that pass through this project's code and end in an error there. A cancellation or a
     connection error is not one: hivemind logs a round whose groupmate died with the error that reached whatever was
@@ -175,9 +197,9 @@ class LocalProcess:
                 self._log.close()
 
     def crash(self) -> int:
-        """SIGKILL the whole process group (the hivemind daemons too), as a machine that loses power would."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGKILL the process and every process it started (the hivemind helpers too), as a machine that loses power
+        would."""
+        self.kill()
         return self.process.wait(30)
 
     def stop(self, timeout: float = 30.0) -> int | None:
@@ -187,8 +209,7 @@ class LocalProcess:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+                self.kill()
         self._log.close()
         return self.process.returncode
 
@@ -203,7 +224,13 @@ class LocalProcess:
         return self.process.poll()
 
     def kill(self) -> None:
-        self._signal_group(signal.SIGKILL)
+        """SIGKILL the process group and every descendant: hivemind's helpers run in process groups of their own."""
+        if self.process.poll() is None:
+            tree = process_tree(self.process.pid)
+            self._signal_group(signal.SIGKILL)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
 

@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import re
 import signal
 import tarfile
@@ -499,7 +500,7 @@ def test_sigterm_and_sigint_shut_down_cleanly_and_save_the_model(tmp_path, sampl
             )
         signalled = {}
         for name, peer in peers.items():
-            peer.process.send_signal(signals[name])
+            os.killpg(peer.process.pid, signals[name])  # as Ctrl-C in a terminal does: to the peer's process group
             signalled[name] = time.monotonic()
         codes = {
             name: peer.wait(timeout=max(0.1, signalled[name] + 30 - time.monotonic())) for name, peer in peers.items()

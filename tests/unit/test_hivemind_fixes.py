@@ -25,7 +25,6 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from bench.cpu import process_tree, stat_fields
 from collab import hivemind_fixes
 from collab.hivemind_fixes import (
     FixedDecentralizedAverager,
@@ -35,7 +34,7 @@ from collab.hivemind_fixes import (
     switch_to_uvloop_keeping_tasks,
 )
 from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
-from trainer.local import wait_until
+from trainer.local import process_tree, stat_fields, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -334,6 +333,78 @@ def test_patched_children_end_with_their_killed_peer_p2pd_included():
     finally:
         for pid in filter(running, children):
             os.kill(pid, signal.SIGKILL)
+
+
+# A stand-in for a trainer stopped by a signal to its whole process group (Ctrl-C in a terminal, kill -- -PGID): it
+# handles the signal as run_trainer.py does, then, once the test has looked at its helpers (a line on stdin), stops
+# them itself and exits 0.
+PEER_STOPPED_THROUGH_ITS_GROUP = textwrap.dedent(
+    """
+    import sys, threading
+    import hivemind, torch
+    from collab.hivemind_fixes import FixedDecentralizedAverager, FixedDHT
+    from collab.signals import install_stop_handlers
+    fixed = sys.argv[1] == "fixed"
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    dht = (FixedDHT if fixed else hivemind.DHT)(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager_class = FixedDecentralizedAverager if fixed else hivemind.DecentralizedAverager
+    averager = averager_class([torch.zeros(4)], dht=dht, prefix="group", target_group_size=2, start=True)
+    print(dht.pid, averager.pid, flush=True)
+    stop.wait(300)
+    sys.stdin.readline()
+    averager.shutdown()
+    dht.shutdown()
+    """
+)
+
+
+def helpers_after_a_signal_to_the_group(variant: str, signum: int) -> tuple[list[int], list[int], int | None]:
+    """Signal a stand-in peer's process group; returns its helpers (DHT, p2pd, averager), those still running 2 s
+    later, and the stand-in's exit code once it has stopped them (None if it did not exit)."""
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER_STOPPED_THROUGH_ITS_GROUP, variant],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    helpers = []
+    try:
+        dht_pid, averager_pid = map(int, peer.stdout.readline().split())
+        helpers = [*process_tree(dht_pid), averager_pid]
+        assert len(helpers) == 3 and all(map(running, helpers)), helpers
+        os.killpg(peer.pid, signum)
+        time.sleep(2.0)  # a helper killed by the signal is gone within milliseconds
+        survivors = list(filter(running, helpers))
+        peer.stdin.write("stop your helpers\n")
+        peer.stdin.flush()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            peer.wait(timeout=60)
+        return helpers, survivors, peer.returncode
+    finally:
+        for pid in [peer.pid, *helpers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        peer.wait(timeout=30)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+def test_plain_hivemind_helpers_die_of_a_ctrl_c_meant_for_their_peer():
+    helpers, survivors, _ = helpers_after_a_signal_to_the_group("plain", signal.SIGINT)
+    assert survivors != helpers, "every plain hivemind helper outlived the Ctrl-C"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm-to-the-group"])
+def test_helpers_outlive_a_signal_to_their_peers_group_and_are_stopped_by_the_peer(signum):
+    helpers, survivors, exit_code = helpers_after_a_signal_to_the_group("fixed", signum)
+    assert survivors == helpers, f"helpers {sorted(set(helpers) - set(survivors))} died of the signal"
+    assert exit_code == 0
+    wait_until(lambda: not any(map(running, helpers)), timeout=30, what="the peer's helpers to end")
 
 
 TENSORS = 40  # an averaged model's tensors: hivemind re-declared after each averaged part
