@@ -491,8 +491,8 @@ class Swarm:
         self.live[key] = (process, run, EventTail(events))
 
     def end(self, key: str, how: str) -> None:
-        """``key``'s run ends now (``how``): a kill is a SIGKILL of its process group, a leave a SIGTERM (a clean
-        shutdown), the end of the window a SIGKILL."""
+        """``key``'s run ends now (``how``): a kill is a SIGKILL of its processes (``LocalProcess.crash``), a leave a
+        SIGTERM (a clean shutdown), the end of the window a SIGKILL."""
         process, run, _ = self.live.pop(key)
         run.ended, run.ended_by = time.time(), how
         if how == "kill":

@@ -54,7 +54,8 @@ started it is alive, and otherwise ends itself (the DHT's p2pd first).
 Helpers killed by the signal meant for their peer. hivemind starts the DHT (and its p2pd) and the averagers in the
 peer's process group, so Ctrl-C in a terminal, or SIGTERM to the group, reaches them as it reaches the peer: p2pd and
 the averagers died at once while the peer was still finishing its step, its last round hung until the shutdown
-deadline (exit 3, model not saved), its goodbye was never sent and its log filled with tracebacks. They now run in a process group of their own, and the peer stops them itself.
+deadline (exit 3, model not saved), its goodbye was never sent and its log filled with tracebacks. They now run in a
+process group of their own, and the peer stops them itself.
 
 8-bit gradients that cannot be read. ``Quantization.extract`` reads the codebook size with ``int()`` on a
 one-element array, which numpy 2 refuses (TypeError), so every 8-bit part a peer received broke its round. We read

@@ -54,9 +54,9 @@ def stat_fields(path: str) -> list[str] | None:
 
 
 def process_tree(root: int) -> list[int]:
-    """``root`` and every live descendant."""
+    """``root`` and every live descendant (``root`` alone where there is no /proc)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if entry.isdigit() and (fields := stat_fields(f"/proc/{entry}/stat")) is not None:
             children.setdefault(int(fields[1]), []).append(int(entry))
     tree, queue = [], [root]
@@ -203,7 +203,7 @@ class LocalProcess:
         return self.process.wait(30)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM to the process (a clean shutdown), then SIGKILL to its group if it still runs after ``timeout``."""
+        """SIGTERM to the process (a clean shutdown), then ``kill`` if it still runs after ``timeout``."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -225,12 +225,11 @@ class LocalProcess:
 
     def kill(self) -> None:
         """SIGKILL the process group and every descendant: hivemind's helpers run in process groups of their own."""
-        if self.process.poll() is None:
-            tree = process_tree(self.process.pid)
-            self._signal_group(signal.SIGKILL)
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        tree = process_tree(self.process.pid) if self.process.poll() is None else []
+        self._signal_group(signal.SIGKILL)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
 
