@@ -109,7 +109,7 @@ from hivemind.utils import asyncio as hivemind_asyncio
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from arguments import MetricsArguments, ProgressTrackerArguments
-from collab import events
+from collab import events, signals
 from collab.matchmaking import EpochMatchmaking, round_gather
 from collab.schema import honest_step
 
@@ -488,16 +488,6 @@ def exit_when_parent_dies(parent_pid: int, before_exit=lambda: None) -> threadin
     return thread
 
 
-def leave_the_peers_process_group() -> None:
-    """Run this helper process, and what it starts (the DHT's p2pd), in a process group of its own.
-
-    A terminal's Ctrl-C and ``kill -- -PGID`` signal the peer's whole process group. The helpers must outlive that
-    signal: the peer's main process finishes its step, its last round and its goodbye through them, then stops them
-    itself. They still end with it when it dies (``exit_when_parent_dies``)."""
-    with contextlib.suppress(PermissionError):  # a group or session leader already
-        os.setpgid(0, 0)
-
-
 def _stop_p2p_daemon(dht) -> None:
     node = getattr(dht, "_node", None)
     if node is not None:
@@ -556,7 +546,7 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     def run(self) -> None:
         """The averager's own process: in a process group of its own, keeps its tasks, matches rounds of one epoch
         only (hivemind's module, in this process only) and ends with the process that started it."""
-        leave_the_peers_process_group()
+        signals.leave_the_process_group()  # the peer stops it after its last round
         exit_when_parent_dies(self._parent_pid)
         hivemind.averaging.averager.switch_to_uvloop = switch_to_uvloop_keeping_tasks
         hivemind.averaging.averager.Matchmaking = EpochMatchmaking
@@ -568,7 +558,7 @@ class FixedDHT(hivemind.DHT):
     p2pd the signals meant for its peer, and ends, p2pd first, with the process that started it."""
 
     def run(self) -> None:
-        leave_the_peers_process_group()
+        signals.leave_the_process_group()  # the peer stops it after its last round
         exit_when_parent_dies(self._parent_pid, lambda: _stop_p2p_daemon(self))
         hivemind.dht.dht.switch_to_uvloop = switch_to_uvloop_keeping_tasks
         super().run()

@@ -8,6 +8,7 @@ saving it exits ``EXIT_NOT_SAVED`` and its ``shutdown`` event says ``saved: fals
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -69,6 +70,14 @@ class Shutdown:
 
 
 _shutdown = Shutdown()  # one per process, as signal handlers are
+
+
+def leave_the_process_group() -> None:
+    """Move this process, and what it starts from now on, into a process group of its own: a signal to the group it
+    was in (a terminal's Ctrl-C, ``kill -- -PGID``, torchrun stopping a rank) no longer reaches it. For helper
+    processes that their parent stops itself, after its last round."""
+    with contextlib.suppress(OSError):  # a group or session leader already
+        os.setpgid(0, 0)
 
 
 def set_shutdown_deadline(seconds: float) -> None:

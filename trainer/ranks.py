@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from collab import events
+from collab import events, signals
 from collab.errors import SetupError
 
 logger = logging.getLogger(__name__)
@@ -141,12 +141,7 @@ def keep_children_out_of_group_signals() -> None:
 
     torchrun stops a rank by signalling the rank's whole process group: hivemind's processes would die at once, and
     rank 0 could neither finish its last round nor save. Out of the group, they stop when their rank stops them."""
-    os.register_at_fork(after_in_child=_own_process_group)
-
-
-def _own_process_group() -> None:
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
+    os.register_at_fork(after_in_child=signals.leave_the_process_group)
 
 
 def rank_events_path(events_path: str | None, rank: int) -> str | None:
