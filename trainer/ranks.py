@@ -139,8 +139,9 @@ def keep_children_out_of_group_signals() -> None:
     """Every process this one forks from now on (hivemind's DHT and averagers, data loader workers) gets a process
     group of its own.
 
-    torchrun stops a rank by signalling the rank's whole process group: hivemind's processes would die at once, and
-    rank 0 could neither finish its last round nor save. Out of the group, they stop when their rank stops them."""
+    torchrun stops a rank by signalling the rank's whole process group: a child in it would die at once while its
+    rank finishes its step. hivemind's helpers also leave the group by themselves (``collab.hivemind_fixes``); this
+    covers every other child of a rank (data loader workers)."""
     os.register_at_fork(after_in_child=signals.leave_the_process_group)
 
 

@@ -274,18 +274,25 @@ def test_spaced_tracker_publishes_once_per_period_but_a_new_epoch_at_once():
 
 
 # A stand-in for a trainer: a DHT (with its p2pd) and an averager in child processes, as hivemind.Optimizer starts
-# them; prints the children's pids, then waits to be killed.
-PEER_WITH_CHILDREN = textwrap.dedent(
+# them, and signal handlers as run_trainer.py installs them. It prints the children's pids; after a SIGINT or SIGTERM
+# and a line on stdin (the test has looked at its children meanwhile) it stops them itself and exits 0.
+STAND_IN_PEER = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading
     import hivemind, torch
     from collab.hivemind_fixes import FixedDecentralizedAverager, FixedDHT
+    from collab.signals import install_stop_handlers
     fixed = sys.argv[1] == "fixed"
+    stop = threading.Event()
+    install_stop_handlers(stop)
     dht = (FixedDHT if fixed else hivemind.DHT)(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager_class = FixedDecentralizedAverager if fixed else hivemind.DecentralizedAverager
-    averager = averager_class([torch.zeros(4)], dht=dht, prefix="orphans", target_group_size=2, start=True)
+    averager = averager_class([torch.zeros(4)], dht=dht, prefix="stand_in", target_group_size=2, start=True)
     print(dht.pid, averager.pid, flush=True)
-    time.sleep(600)
+    stop.wait(300)
+    sys.stdin.readline()
+    averager.shutdown()
+    dht.shutdown()
     """
 )
 
@@ -296,18 +303,33 @@ def running(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def children_of_a_killed_peer(variant: str) -> list[int]:
-    """SIGKILL a peer; returns the pids of its hivemind children (DHT, p2pd, averager), for the caller to check."""
+def start_stand_in_peer(variant: str) -> tuple[subprocess.Popen, list[int]]:
+    """``STAND_IN_PEER`` in a session of its own, and its running children: the DHT process, its p2pd, the
+    averager."""
     peer = subprocess.Popen(
-        [sys.executable, "-c", PEER_WITH_CHILDREN, variant], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STAND_IN_PEER, variant],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         dht_pid, averager_pid = map(int, peer.stdout.readline().split())
-        children = [*process_tree(dht_pid), averager_pid]  # the DHT process, its p2pd, the averager
+        children = [*process_tree(dht_pid), averager_pid]
         assert len(children) == 3 and all(map(running, children)), children
-    finally:
+    except BaseException:
         peer.kill()
         peer.wait(timeout=30)
+        raise
+    return peer, children
+
+
+def children_of_a_killed_peer(variant: str) -> list[int]:
+    """SIGKILL a peer; returns the pids of its hivemind children (DHT, p2pd, averager), for the caller to check."""
+    peer, children = start_stand_in_peer(variant)
+    peer.kill()
+    peer.wait(timeout=30)
     return children
 
 
@@ -335,48 +357,13 @@ def test_patched_children_end_with_their_killed_peer_p2pd_included():
             os.kill(pid, signal.SIGKILL)
 
 
-# A stand-in for a trainer stopped by a signal to its whole process group (Ctrl-C in a terminal, kill -- -PGID): it
-# handles the signal as run_trainer.py does, then, once the test has looked at its helpers (a line on stdin), stops
-# them itself and exits 0.
-PEER_STOPPED_THROUGH_ITS_GROUP = textwrap.dedent(
-    """
-    import sys, threading
-    import hivemind, torch
-    from collab.hivemind_fixes import FixedDecentralizedAverager, FixedDHT
-    from collab.signals import install_stop_handlers
-    fixed = sys.argv[1] == "fixed"
-    stop = threading.Event()
-    install_stop_handlers(stop)
-    dht = (FixedDHT if fixed else hivemind.DHT)(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    averager_class = FixedDecentralizedAverager if fixed else hivemind.DecentralizedAverager
-    averager = averager_class([torch.zeros(4)], dht=dht, prefix="group", target_group_size=2, start=True)
-    print(dht.pid, averager.pid, flush=True)
-    stop.wait(300)
-    sys.stdin.readline()
-    averager.shutdown()
-    dht.shutdown()
-    """
-)
-
-
 def helpers_after_a_signal_to_the_group(variant: str, signum: int) -> tuple[list[int], list[int], int | None]:
     """Signal a stand-in peer's process group; returns its helpers (DHT, p2pd, averager), those still running 2 s
     later, and, for the fixed variant, the stand-in's exit code once it has stopped them (None if it did not exit;
     plain hivemind's stand-in is killed: its shutdown waits out grace periods on the dead helpers)."""
-    peer = subprocess.Popen(
-        [sys.executable, "-c", PEER_STOPPED_THROUGH_ITS_GROUP, variant],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    helpers = []
+    peer, helpers = start_stand_in_peer(variant)
     try:
-        dht_pid, averager_pid = map(int, peer.stdout.readline().split())
-        helpers = [*process_tree(dht_pid), averager_pid]
-        assert len(helpers) == 3 and all(map(running, helpers)), helpers
-        os.killpg(peer.pid, signum)
+        os.killpg(peer.pid, signum)  # as Ctrl-C in a terminal or kill -- -PGID: the stand-in leads its group
         time.sleep(2.0)  # a helper killed by the signal is gone within milliseconds
         survivors = list(filter(running, helpers))
         if variant != "fixed":
