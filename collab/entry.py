@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -57,13 +58,21 @@ def escape_log_messages() -> None:
             handler.setFormatter(ControlEscapingFormatter(handler.formatter or logging.Formatter()))
 
 
+def configure_logging() -> None:
+    """INFO through hivemind's handler for every logger; hivemind's own loggers at ``HIVEMIND_LOGLEVEL`` when it is
+    set, as hivemind documents (DEBUG tells why matchmaking tries fail: rejected, no answer in time)."""
+    use_hivemind_log_handler("in_root_logger")
+    logging.getLogger().setLevel(logging.INFO)
+    hivemind_level = os.environ.get("HIVEMIND_LOGLEVEL", "").strip().upper()
+    logging.getLogger("hivemind").setLevel(hivemind_level or logging.NOTSET)
+    escape_log_messages()
+
+
 def run_program(prog: str, config_type: type, run: Callable[..., object], argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` into the root config ``config_type`` (a dataclass of argument groups: ``PeerConfig``), call
     ``run(config, stop=event)``; 0 on success, 2 on bad input."""
     apply_entry_point_patches()
-    use_hivemind_log_handler("in_root_logger")
-    logging.getLogger().setLevel(logging.INFO)
-    escape_log_messages()
+    configure_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
     config = config_type(*parse_args_or_exit(argument_groups(config_type), argv, prog=prog))
     _, config_token, _ = split_config_flags(argv)
