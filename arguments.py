@@ -183,7 +183,10 @@ class OptimizerArguments:
     )
     matchmaking_time: float = field(
         default=3.0,
-        metadata={"help": "Seconds to wait for peers to form an averaging group (3-5 on a LAN, 10-15 online)"},
+        metadata={
+            "help": "Seconds to wait for peers to form an averaging group (3-5 on a LAN, 10-15 online); longer while "
+            "this peer's DHT takes long to store and look up the group's records (1.5x their time, logged)"
+        },
     )
     averaging_timeout: float | None = field(
         default=None,

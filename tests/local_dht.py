@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 
 import hivemind
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from collab.hivemind_fixes import FixedDecentralizedAverager
 
 
 @contextlib.contextmanager
-def two_dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
+def two_dhts(record_validators: Sequence[RecordValidatorBase] = ()) -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
     """Two DHT nodes on 127.0.0.1, the second joined to the first; shut down afterwards."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators)
     try:
         second = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
+            start=True,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=first.get_visible_maddrs(),
+            record_validators=record_validators,
         )
         try:
             yield first, second
@@ -45,3 +51,24 @@ def matched_averager(
         next_chunk_timeout=8.0,
         start=True,
     )
+
+
+class SlowRecords(RecordValidatorBase):
+    """A DHT node that takes ``delay`` seconds to sign or validate a record of one of ``keys``, blocking its event loop
+    meanwhile, as the DHT process of a peer starved of CPU does (16 peers on 2 cores: 3-10 s to store a record)."""
+
+    def __init__(self, keys: Sequence[str], delay: float):
+        self.key_ids = {DHTID.generate(source=key).to_bytes() for key in keys}
+        self.delay = delay
+
+    def _wait(self, record: DHTRecord) -> None:
+        if record.key in self.key_ids:
+            time.sleep(self.delay)
+
+    def validate(self, record: DHTRecord) -> bool:
+        self._wait(record)
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        self._wait(record)
+        return record.value

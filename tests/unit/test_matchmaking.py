@@ -1,6 +1,7 @@
-"""Rounds meet only rounds of their own epoch, and a late round alone steps aside for its peer's next one
-(collab.matchmaking): the gathered epoch as hivemind sends it, and real averagers on two DHTs, beside plain hivemind,
-which pairs rounds of different epochs."""
+"""Rounds meet only rounds of their own epoch, a late round alone steps aside for its peer's next one, and a round
+declares itself long enough for a slow DHT (collab.matchmaking): the gathered epoch as hivemind sends it, and real
+averagers on two DHTs, beside plain hivemind, which pairs rounds of different epochs and forms no group on a DHT
+slower than its matchmaking time."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.mpfuture import MPFuture
 
 from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager, entry_point_patches_applied
-from collab.matchmaking import gathered_round_epoch, round_gather, rounds_may_meet, steps_aside
+from collab.matchmaking import (
+    MatchmakingWindow,
+    gathered_round_epoch,
+    matchmaking_window,
+    round_gather,
+    rounds_may_meet,
+    steps_aside,
+)
 from collab.schema import MAX_STEP
-from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
+from tests.local_dht import STALE_TEST_MATCHMAKING, SlowRecords, matched_averager, two_dhts
 from trainer.local import wait_until
 
 
@@ -180,3 +188,50 @@ def test_a_round_its_owner_cancels_stops_looking_even_when_it_reads_as_cancelled
             step.allow_allreduce()
         assert [len(step.result(timeout=20)) for step in steps] == [2, 2]
         assert values(a) == values(b) == 1.0
+
+
+def test_the_window_is_the_configured_time_or_a_margin_over_the_slowest_dht_calls_of_the_last_minute():
+    assert matchmaking_window(3.0, [], []) == 3.0
+    assert matchmaking_window(3.0, [0.1, 0.4], [0.3]) == 3.0  # a quiet machine keeps the operator's time
+    assert matchmaking_window(3.0, [4.0, 9.0], [2.0, 5.0]) == 21.0  # 1.5 x (9 + 5)
+    window = MatchmakingWindow(3.0)
+    window.observe("store", 10.0, now=100.0)
+    assert window.observe("lookup", 4.0, now=110.0) == 21.0
+    for second in range(111, 150):  # quick lookups that found nothing yet: the slow ones still count
+        window.observe("lookup", 0.01, now=second)
+    assert window.seconds(now=150.0) == 21.0
+    # 1.5 x (0.2 + 4): the slow store is a minute old, the slow lookup not yet
+    assert window.observe("store", 0.2, now=165.0) == pytest.approx(6.3)
+    assert window.seconds(now=171.0) == 3.0
+
+
+# Each declaration takes this long to sign and to validate: storing one takes 2 s or more, looking one up 1 s or more,
+# against the averagers' 1 s matchmaking time. Plain hivemind's rounds get 8 s (8 windows), ours 20 s (a group formed
+# after 11 s in a trial: the first windows are measured).
+SLOW_DECLARATION = 1.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("averager_class", "round_timeout", "group_sizes"),
+    [(DecentralizedAverager, 8.0, [None, None]), (FixedDecentralizedAverager, 20.0, [2, 2])],
+    ids=["plain-hivemind", "fixed"],
+)
+def test_on_a_dht_slower_than_matchmaking_time_only_a_stretched_window_forms_a_group(
+    averager_class, round_timeout, group_sizes
+):
+    prefix = f"slow_dht_{averager_class.__name__}"
+    with entry_point_patches_applied(), two_dhts([SlowRecords([f"{prefix}.0b"], SLOW_DECLARATION)]) as dhts:
+        pair = [
+            matched_averager(dht, value, prefix, averager_class) for dht, value in zip(dhts, (0.0, 2.0), strict=True)
+        ]
+        try:
+            controls = [averager.step(wait=False, timeout=round_timeout) for averager in pair]
+            wait_until(lambda: all(c.done() for c in controls), round_timeout + 15, "both rounds to end")
+            sizes = [None if control.exception() else len(control.result()) for control in controls]
+            averaged = [values(averager) for averager in pair]
+        finally:
+            for averager in pair:
+                averager.shutdown()
+    assert sizes == group_sizes
+    assert averaged == ([1.0, 1.0] if group_sizes[0] else [0.0, 2.0])
