@@ -80,7 +80,7 @@ def train_alone(amp_dtype: torch.dtype | None, prefix: str) -> tuple[TrainingSum
     """STEPS global steps of one peer on CPU under ``amp_dtype`` autocast (None: fp32), as run_peer assembles it; the
     summary, weights before and after."""
     dataset_args = DatasetArguments()
-    training_args = TrainingArguments(max_steps=STEPS, per_device_train_batch_size=8, seed=7)
+    training_args = TrainingArguments(max_steps=STEPS, per_device_train_batch_size=4, seed=7)
     task = TASKS[dataset_args.task]
     tokenizer = load_tokenizer(dataset_args)
     model, _ = build_model(dataset_args, tokenizer, training_args.seed)
@@ -92,7 +92,7 @@ def train_alone(amp_dtype: torch.dtype | None, prefix: str) -> tuple[TrainingSum
             model,
             dht,
             PeerArguments(experiment_prefix=prefix),
-            OptimizerArguments(target_batch_size=32, matchmaking_time=0.5, averaging_timeout=5.0, **NO_DELAY),
+            OptimizerArguments(target_batch_size=16, matchmaking_time=0.5, averaging_timeout=5.0, **NO_DELAY),
             AveragerArguments(),
             ProgressTrackerArguments(**NO_REFRESH),
             training_args,
