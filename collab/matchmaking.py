@@ -18,9 +18,10 @@ round from meeting the others' too, and the peer would miss every round after. A
 following a group goes on: in a large swarm on busy machines such rounds still form, one epoch late.
 
 A declaration window that outlasts the DHT's round trip. A would-be leader declares itself in the DHT for
-``min_matchmaking_time`` and the others must look it up and ask to join before that time is over. On a busy machine
-(16 peers on 2 cores, measured: 3-10 s to store a record, 2-6 s to look one up) a 3 s declaration has expired before
-anyone can read it, every lookup finds no group and no round forms. Each averager times its own DHT calls and
+``min_matchmaking_time`` and the others must look it up and ask to join before that time is over. Where a DHT call
+takes longer than that (a busy machine, long round trips; figures in
+docs/benchmarks/2026-11-27-amd-epyc-2core-matchmaking-window.md) the declaration has expired before anyone can read
+it, every lookup finds no group and no round forms. Each averager times its own DHT calls and
 declares for ``matchmaking_window`` (``MatchmakingWindow``): the configured time, or ``DHT_ROUND_TRIP_MARGIN`` times
 its recent store plus lookup time when that is longer.
 """

@@ -55,7 +55,8 @@ def matched_averager(
 
 class SlowRecords(RecordValidatorBase):
     """A DHT node that takes ``delay`` seconds to sign or validate a record of one of ``keys``, blocking its event loop
-    meanwhile, as the DHT process of a peer starved of CPU does (16 peers on 2 cores: 3-10 s to store a record)."""
+    meanwhile, as the DHT process of a peer starved of CPU does
+    (docs/benchmarks/2026-11-27-amd-epyc-2core-matchmaking-window.md has the measured calls)."""
 
     def __init__(self, keys: Sequence[str], delay: float):
         self.key_ids = {DHTID.generate(source=key).to_bytes() for key in keys}
