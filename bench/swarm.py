@@ -17,7 +17,8 @@ seeded schedule (``churn_schedule``):
 The figures, from the peers' events (docs/EVENTS.md) and steps files (``bench.probe``), over the measured epochs:
 
 - ``goodput``: samples that reached an applied update / samples computed (``computed_samples``,
-  ``applied_samples``);
+  ``applied_samples``), and ``samples_by_outcome``: the share of the computed samples that each outcome took
+  (``samples_by_outcome``: applied, or lost where);
 - ``join_success``: joins (restarts and newcomers) that became productive / joins tried (``join_outcome``);
   ``--history`` keeps each run's counts so that they add up across runs;
 - ``join_seconds_vs_bound``: per productive join, the time from its ``joined`` event (DHT up; the Python start-up
@@ -216,14 +217,24 @@ def computed_samples(run: PeerRun, first: int, last: int) -> int:
     return total
 
 
-def contributed_epochs(events: Sequence[dict]) -> set[int]:
-    """Epochs whose gradient round took this run's own samples (``own_round``). A round belongs to the last
-    ``step_begun`` before its all-reduce began (its end minus its ``seconds``): hivemind triggers a step's round as
-    the step begins, and the next step's only after waiting for it, so a round that ends after the next step began
-    (it outlasted an epoch) still began before it."""
+def alone_round(record: dict) -> bool:
+    """A gradient round with this peer's own samples that found no groupmate: its group was itself."""
+    return (
+        record["event"] == "averaged"
+        and record["kind"] == "gradients"
+        and (record.get("weight") or 0) > 0
+        and record.get("group_size") == 1
+    )
+
+
+def contributed_epochs(events: Sequence[dict], which: Callable[[dict], bool] = own_round) -> set[int]:
+    """Epochs whose gradient round took this run's own samples (``own_round``; ``which`` picks other rounds). A round
+    belongs to the last ``step_begun`` before its all-reduce began (its end minus its ``seconds``): hivemind triggers
+    a step's round as the step begins, and the next step's only after waiting for it, so a round that ends after the
+    next step began (it outlasted an epoch) still began before it."""
     begun = [record for record in events if record["event"] == "step_begun"]
     epochs = set()
-    for record in filter(own_round, events):
+    for record in filter(which, events):
         began = record["time"] - (record.get("seconds") or 0.0)
         steps = [step["epoch"] for step in begun if step["time"] <= began]
         if steps:
@@ -246,6 +257,44 @@ def applied_samples(run: PeerRun, first: int, last: int) -> int:
                 total += int(record["samples"])
         epoch = record["epoch"]
     return total
+
+
+SAMPLE_OUTCOMES = ("applied", "alone", "no_round", "unpublished", "dropped_by_download", "unfinished")
+
+
+def samples_by_outcome(run: PeerRun, first: int, last: int) -> dict[str, int]:
+    """Where the samples the run computed at epochs ``first`` to ``last - 1`` went, by the epoch they were made in
+    (``computed_samples``' rule), one of ``SAMPLE_OUTCOMES``: ``applied`` (the epoch ended published after an own
+    round), ``alone`` (its gradient round's group was this peer only), ``no_round`` (no round completed: it found no
+    group, failed or was given up), ``unpublished`` (the peer was catching up or out of sync), ``dropped_by_download``
+    (a state download moved the peer past the epoch), ``unfinished`` (the run ended first: killed, left, or the
+    window closed)."""
+    made: dict[int, int] = {}
+    epoch = started_epoch(run)
+    for _, samples, after in run.steps:
+        if epoch is not None and first <= epoch < last:
+            made[epoch] = made.get(epoch, 0) + int(samples)
+        epoch = int(after)
+    contributed, alone = contributed_epochs(run.events), contributed_epochs(run.events, alone_round)
+    outcome: dict[int, str] = {}
+    epoch = started_epoch(run)
+    for record in run.events:
+        if record["event"] != "epoch":
+            continue
+        if epoch is not None and epoch not in outcome:
+            if record["epoch"] != epoch + 1:
+                outcome[epoch] = "dropped_by_download"
+            elif not record["published"]:
+                outcome[epoch] = "unpublished"
+            elif epoch in contributed:
+                outcome[epoch] = "applied"
+            else:
+                outcome[epoch] = "alone" if epoch in alone else "no_round"
+        epoch = record["epoch"]
+    totals = dict.fromkeys(SAMPLE_OUTCOMES, 0)
+    for made_at, samples in made.items():
+        totals[outcome.get(made_at, "unfinished")] += samples
+    return totals
 
 
 def goodput(runs: Sequence[PeerRun], first: int, last: int) -> float | None:
@@ -352,6 +401,10 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int) -> dict:
     values = {name: [phase[name] for phase in phases if name in phase] for name in names}
     medians = {name: statistics.median(found) if found else None for name, found in values.items()}
     productive = sum(outcome is True for outcome in outcomes)
+    by_outcome = dict.fromkeys(SAMPLE_OUTCOMES, 0)
+    for run in runs:
+        for name, samples in samples_by_outcome(run, first, last).items():
+            by_outcome[name] += samples
     return {
         "goodput": applied / computed if computed else None,
         "join_success": productive / tried if tried else None,
@@ -367,6 +420,7 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int) -> dict:
         "epochs_measured": len(durations),
         "samples_computed": computed,
         "samples_applied": applied,
+        "samples_by_outcome": {name: samples / computed for name, samples in by_outcome.items()} if computed else None,
         "state_bytes": state_bytes,
     }
 
@@ -708,6 +762,10 @@ def report_lines(figures: dict, totals: dict) -> list[str]:
         "a productive join's median seconds: "
         + ", ".join(f"{name} {'n/a' if value is None else f'{value:.1f}'}" for name, value in phases.items())
         + f"; epochs: median {figures.get('epoch_median_s') or 0:.1f} s, max {figures.get('epoch_max_s') or 0:.1f} s"
+    )
+    shares = figures.get("samples_by_outcome") or {}
+    lines.append(
+        "where the computed samples went: " + ", ".join(f"{name} {share:.1%}" for name, share in shares.items())
     )
     counts = ("peers", "kills", "restarts", "newcomers", "leaves", "exits", "epochs", "hour_epochs")
     lines.append(", ".join(f"{name} {figures.get(name)}" for name in counts) + f", wall {figures['wall_s']:.0f} s")

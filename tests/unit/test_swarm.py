@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,6 +25,7 @@ from bench.swarm import (
     join_seconds_vs_bound,
     kills_due,
     read_steps,
+    samples_by_outcome,
     stall_count,
     summarize,
 )
@@ -123,6 +125,7 @@ def averaged(kind: str, time: float, weight: float, group: int, seconds: float) 
     return ev("averaged", time, kind=kind, group_size=group, weight=weight, seconds=seconds)
 
 
+NOTHING = dict.fromkeys(swarm.SAMPLE_OUTCOMES, 0)
 # A: a full member from epoch 10; its round of epoch 11 found no groupmate.
 RUN_A = PeerRun(
     "peer0.0",
@@ -216,6 +219,15 @@ def test_applied_samples_need_a_published_epoch_after_an_own_round():
     assert applied_samples(RUN_D, 11, 12) == 32
 
 
+def test_samples_by_outcome_say_where_each_epochs_samples_went():
+    assert samples_by_outcome(RUN_A, 10, 13) == {**NOTHING, "applied": 48, "alone": 32, "unfinished": 16}
+    assert samples_by_outcome(RUN_B, 10, 13) == {**NOTHING, "unpublished": 48}
+    assert samples_by_outcome(RUN_C, 10, 13) == {**NOTHING, "dropped_by_download": 32}
+    assert samples_by_outcome(RUN_D, 10, 13) == {**NOTHING, "applied": 64, "unfinished": 16}
+    failed = dataclasses.replace(RUN_D, events=[e for e in RUN_D.events if e["time"] != 12.5])  # round 11 failed
+    assert samples_by_outcome(failed, 11, 12) == {**NOTHING, "no_round": 32}
+
+
 def test_goodput_over_every_run():
     runs = [RUN_A, RUN_B, RUN_C, RUN_D]
     assert goodput(runs, 10, 13) == pytest.approx(112 / 256)  # (48 + 64) / (96 + 48 + 32 + 80)
@@ -293,6 +305,7 @@ def test_summary_counts_joins_and_leaves_the_initial_peers_out():
     # the productive joins downloaded in 1 s each (LOADED), and wrote neither joined nor started
     assert figures["join_phases_median_s"] == {"start_to_joined": None, "download": 1.0, "started_to_round": None}
     assert figures["goodput"] == pytest.approx(48 / 96)  # A alone computed and applied samples
+    assert figures["samples_by_outcome"] == {**NOTHING, "applied": 0.5, "alone": 32 / 96, "unfinished": 16 / 96}
 
 
 def test_history_adds_up_joins_across_runs():
