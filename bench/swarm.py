@@ -18,7 +18,8 @@ The figures, from the peers' events (docs/EVENTS.md) and steps files (``bench.pr
 
 - ``goodput``: samples that reached an applied update / samples computed (``computed_samples``,
   ``applied_samples``), and ``samples_by_outcome``: the share of the computed samples that each outcome took
-  (``samples_by_outcome``: applied, or lost where);
+  (``samples_by_outcome``: applied, or lost where); ``values_averaged_median`` and ``complete_rounds`` say how much
+  of those rounds was averaged (``round_completeness``);
 - ``join_success``: joins (restarts and newcomers) that became productive / joins tried (``join_outcome``);
   ``--history`` keeps each run's counts so that they add up across runs;
 - ``join_seconds_vs_bound``: per productive join, the time from its ``joined`` event (DHT up; the Python start-up
@@ -297,6 +298,19 @@ def samples_by_outcome(run: PeerRun, first: int, last: int) -> dict[str, int]:
     return totals
 
 
+def round_completeness(runs: Sequence[PeerRun]) -> dict:
+    """How complete the gradient rounds with groupmates were, over every peer's ``own_round``s that report their size
+    (``values``): the median share of values averaged (not kept local because their reducer failed), and the share
+    of rounds where nothing was kept local and no sender was dropped. A round counts toward goodput however partial
+    it was: these say how much of it was averaged."""
+    rounds = [record for run in runs for record in run.events if own_round(record) and record.get("values")]
+    if not rounds:
+        return {"values_averaged_median": None, "complete_rounds": None}
+    averaged = [1.0 - record["values_kept_local"] / record["values"] for record in rounds]
+    complete = sum(record["values_kept_local"] == 0 and record["senders_dropped"] == 0 for record in rounds)
+    return {"values_averaged_median": statistics.median(averaged), "complete_rounds": complete / len(rounds)}
+
+
 def goodput(runs: Sequence[PeerRun], first: int, last: int) -> float | None:
     """Applied samples over computed samples of every run, over epochs ``first`` to ``last - 1``."""
     computed = sum(computed_samples(run, first, last) for run in runs)
@@ -421,6 +435,7 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int) -> dict:
         "samples_computed": computed,
         "samples_applied": applied,
         "samples_by_outcome": {name: samples / computed for name, samples in by_outcome.items()} if computed else None,
+        **round_completeness(runs),
         "state_bytes": state_bytes,
     }
 
@@ -767,6 +782,11 @@ def report_lines(figures: dict, totals: dict) -> list[str]:
     lines.append(
         "where the computed samples went: " + ", ".join(f"{name} {share:.1%}" for name, share in shares.items())
     )
+    if figures.get("complete_rounds") is not None:
+        lines.append(
+            f"gradient rounds with groupmates: {figures['values_averaged_median']:.1%} of the values averaged at the "
+            f"median, {figures['complete_rounds']:.1%} complete (nothing kept local, no sender dropped)"
+        )
     counts = ("peers", "kills", "restarts", "newcomers", "leaves", "exits", "epochs", "hour_epochs")
     lines.append(", ".join(f"{name} {figures.get(name)}" for name in counts) + f", wall {figures['wall_s']:.0f} s")
     return lines

@@ -122,8 +122,8 @@ class _CountingStub:
 
 class TrafficCountingMixin:
     """Counts an ``AllReduceRunner``'s traffic and emits ``averaged`` (kind, group_size, weight, update_norm,
-    bytes_sent, bytes_received, seconds, values_kept_local, senders_dropped) when its round completes; put it before
-    ``AllReduceRunner``. The class sets ``round_kind``.
+    bytes_sent, bytes_received, seconds, values, values_kept_local, senders_dropped) when its round completes; put it
+    before ``AllReduceRunner``. The class sets ``round_kind``.
 
     A round "completes" also when groupmates failed in it: hivemind keeps this peer's own values for the parts a
     failed reducer held and averages a part without a sender that came too late. Only a round with both counts 0 at
@@ -168,6 +168,7 @@ class TrafficCountingMixin:
             weight=self.weight,
             update_norm=round(math.sqrt(update_square), 6),
             seconds=round(time.monotonic() - started, 3),
+            values=self.tensor_part_container.total_size,
             values_kept_local=self.values_kept_local(),
             senders_dropped=len(self.banned_senders),
         )

@@ -103,6 +103,7 @@ def test_a_round_where_every_groupmate_delivers_reports_nothing_kept_local(tmp_p
             torch.testing.assert_close(value, expected)
     records = events.read_events(tmp_path / "events.jsonl", "averaged")
     assert [(r["group_size"], r["values_kept_local"], r["senders_dropped"]) for r in records] == [(3, 0, 0)] * 3
+    assert [r["values"] for r in records] == [sum(TENSOR_SIZES)] * 3
 
 
 def test_honest_peers_drop_a_liars_non_finite_values_in_both_directions(caplog, tmp_path):

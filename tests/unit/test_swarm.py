@@ -228,6 +228,20 @@ def test_samples_by_outcome_say_where_each_epochs_samples_went():
     assert samples_by_outcome(failed, 11, 12) == {**NOTHING, "no_round": 32}
 
 
+def test_round_completeness_is_the_share_of_values_averaged_in_rounds_with_groupmates():
+    def round_of(group: int, weight: float, kept: int, dropped: int) -> dict:
+        record = averaged("gradients", 1.0, weight, group, 0.5)
+        return {**record, "values": 1000, "values_kept_local": kept, "senders_dropped": dropped}
+
+    rounds = [round_of(3, 16, 0, 0), round_of(3, 16, 800, 1), round_of(4, 16, 0, 1), round_of(1, 16, 0, 0)]
+    rounds.append(round_of(3, 0, 900, 2))  # catching up: not its own round
+    run = PeerRun("p", "initial", 0.0, 10.0, events=rounds)
+    figures = swarm.round_completeness([run])
+    assert figures["values_averaged_median"] == pytest.approx(1.0)  # of 1.0, 0.2, 1.0
+    assert figures["complete_rounds"] == pytest.approx(1 / 3)
+    assert swarm.round_completeness([RUN_A]) == {"values_averaged_median": None, "complete_rounds": None}
+
+
 def test_goodput_over_every_run():
     runs = [RUN_A, RUN_B, RUN_C, RUN_D]
     assert goodput(runs, 10, 13) == pytest.approx(112 / 256)  # (48 + 64) / (96 + 48 + 32 + 80)
