@@ -38,6 +38,7 @@ import math
 import multiprocessing as mp
 import random
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import InvalidStateError
 from functools import partial
@@ -69,7 +70,15 @@ from collab.hivemind_fixes import (
     honest_progress_epoch,
     progress_key,
 )
-from collab.timeouts import download_backoff
+from collab.matchmaking import WINDOW_LOG_STEP
+from collab.timeouts import (
+    CHUNKS_PER_ROUND_TIMEOUT,
+    MAX_NEXT_CHUNK_TIMEOUT,
+    PART_TIMEOUT_MEMORY,
+    download_backoff,
+    part_timeout,
+    part_timeout_need,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +132,23 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
         unused.finished.set()  # never used: its finalizer would report that it received none of its parts
         self.tensor_part_reducer = FiniteTensorPartReducer(unused.part_shapes, unused.num_senders, own_index)
         self.non_finite_kept_local = 0
+        self.started = time.monotonic()
+        self.sender_starts: dict[PeerID, float] = {}  # seconds after this peer's start that each sender's part came
+
+    async def rpc_aggregate_part(self, stream, context):
+        self.sender_starts.setdefault(context.remote_id, time.monotonic() - self.started)
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    def latest_start(self) -> float:
+        """Seconds after this peer's start that the last groupmate to start sent its first part (0 if none did)."""
+        return max(self.sender_starts.values(), default=0.0)
+
+    def dropped_a_groupmate(self) -> bool:
+        """Whether the round dropped a sender (not for non-finite values) or lost a reducer's part: a groupmate came
+        later than the timeouts, or never."""
+        refused = {self.sender_peer_ids[index] for index in self.tensor_part_reducer.refused_senders}
+        return bool(set(self.banned_senders) - refused) or super().values_kept_local() > 0
 
     def values_kept_local(self) -> int:
         return super().values_kept_local() + self.non_finite_kept_local
@@ -186,17 +212,59 @@ class FiniteAveragingMixin:
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
 
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        else:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update, alpha=self._averaging_alpha)
+                    self.last_updated = get_dht_time()
+                    self._state_updated.set()
+            else:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+        finally:
+            self._size_part_timeout(runner)
         made_whole = evened_out(runner.group_size, runner.values_kept_local())
         if catching_up and self.round_kind == "parameter" and made_whole:
             self.holds_swarm_state.value = True
+
+    def _size_part_timeout(self, runner: FiniteAllReduceRunner) -> None:
+        """The next rounds' sender and reducer timeouts, sized by this round's late starts (``PartTimeout``); hivemind
+        reads them from ``allreduce_kwargs`` at each round, and so does the wait for a group that has not registered
+        yet (``collab.hivemind_fixes``)."""
+        configured = self.allreduce_kwargs.get("sender_timeout")
+        if configured is None:
+            return  # no next_chunk_timeout: hivemind waits without a timeout
+        sizer = self.__dict__.get("_part_timeout")
+        if sizer is None:
+            round_time = self._allreduce_timeout or MAX_NEXT_CHUNK_TIMEOUT * CHUNKS_PER_ROUND_TIMEOUT
+            sizer = self.__dict__["_part_timeout"] = PartTimeout(
+                configured, max(configured, round_time / CHUNKS_PER_ROUND_TIMEOUT), self.round_kind
+            )
+        seconds = sizer.observe(runner.latest_start(), runner.dropped_a_groupmate())
+        self.allreduce_kwargs.update(sender_timeout=seconds, reducer_timeout=2 * seconds)
+
+
+class PartTimeout:
+    """One averager's all-reduce sender timeout, sized by how late its groupmates started in its recent rounds
+    (``collab.timeouts.part_timeout``); logged when it changes by a quarter."""
+
+    def __init__(self, configured: float, cap: float, round_kind: str):
+        self.configured, self.cap, self.round_kind = configured, cap, round_kind
+        self.needs: deque[float] = deque(maxlen=PART_TIMEOUT_MEMORY)
+        self.seconds = self.logged = configured
+
+    def observe(self, latest_start: float, dropped: bool) -> float:
+        """One round's latest start of a groupmate's part and whether it dropped one; returns the next timeout."""
+        self.needs.append(part_timeout_need(latest_start, dropped, self.seconds))
+        self.seconds = part_timeout(self.configured, self.needs, self.cap)
+        if not self.logged / WINDOW_LOG_STEP < self.seconds < self.logged * WINDOW_LOG_STEP:
+            self.logged = self.seconds
+            logger.info(
+                f"{self.round_kind.capitalize()} rounds wait {self.seconds:.1f} s for a groupmate's part "
+                f"(--next_chunk_timeout {self.configured:g}): in the last round the latest groupmate started "
+                f"{latest_start:.1f} s after this peer" + (" and one was dropped" if dropped else "")
+            )
+        return self.seconds
 
 
 def evened_out(group_size: int, values_kept_local: int) -> bool:

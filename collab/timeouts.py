@@ -16,6 +16,11 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
 - The next chunk of a round: a sender's upload is shared among its ``n-1`` streams, so one part of
   ``PART_BYTES`` takes ``n-1`` parts' time.
 - A state download: the state's bytes through the donor's upload, ``DOWNLOAD_MARGIN`` times over.
+- Late groupmates: each peer starts its part of a pre-scheduled round when its own step begins, and groupmates that
+  notice the epoch's end later (a slower step, a slower DHT) start later. A groupmate that starts after the sender
+  timeout is dropped from the round and its values stay unaveraged. Each averager lengthens its sender timeout
+  (``next_chunk_timeout``, the reducers' twice that) to ``LATE_START_MARGIN`` times the latest start of its recent
+  rounds, twice over after a round that dropped a groupmate (``part_timeout``), within the round's time.
 - A shutdown: the last background round (``shutdown_averaging_wait``), hivemind's and the DHT's shutdown, then the
   model written at ``DISK_BYTES_PER_SECOND`` (``shutdown_deadline``, after which the watchdog forces the exit).
 - The other ranks of a torchrun peer: they wait for rank 0 through its longest step (``rank_wait_timeout``).
@@ -23,6 +28,7 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
@@ -46,6 +52,9 @@ CHUNKS_PER_ROUND_TIMEOUT = 2.5  # a round waits up to twice next_chunk_timeout f
 PART_BYTES = DEFAULT_PART_SIZE_BYTES  # hivemind's all-reduce part, after compression
 DISK_BYTES_PER_SECOND = 50e6  # a slow disk (an SD card, a busy HDD); an SSD writes ten times faster
 FP16_BYTES = 2  # bytes per value of parameter rounds and state downloads (fp16 on the wire)
+
+LATE_START_MARGIN = 2.0  # a sender timeout twice the latest groupmate's start in recent rounds
+PART_TIMEOUT_MEMORY = 8  # rounds whose late starts the sender timeout remembers
 
 FIRST_BACKOFF = 1.0  # seconds before the second try, doubled before each later one
 MAX_BACKOFF = 30.0
@@ -172,6 +181,19 @@ def derive_timeouts(
     ]
     how = transfers.how + (f"; {', '.join(given)} as given" if given else "")
     return Timeouts(averaging, chunk, load, wait, deadline, how)
+
+
+def part_timeout_need(latest_start: float, dropped: bool, timeout: float) -> float:
+    """The sender timeout one round calls for: ``LATE_START_MARGIN`` times the latest start of a groupmate's part
+    (seconds after this peer's), or twice the ``timeout`` it had when it dropped a groupmate (whose start it never
+    saw)."""
+    return 2.0 * timeout if dropped else LATE_START_MARGIN * latest_start
+
+
+def part_timeout(configured: float, needs: Sequence[float], cap: float) -> float:
+    """The sender timeout for the next round: the configured one (``next_chunk_timeout``), or the most that the
+    recent rounds called for (``part_timeout_need``) when longer, at most ``cap``."""
+    return min(cap, max(configured, *needs))
 
 
 def download_backoff(tries_done: int) -> float:

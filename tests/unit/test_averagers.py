@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+import pytest
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P
@@ -13,12 +16,15 @@ from hivemind.p2p import P2P
 from collab import events
 from collab.averagers import (
     FiniteAllReduceRunner,
+    FiniteAverager,
     FiniteGradientAverager,
     FiniteTrainingStateAverager,
     is_acceptable_contribution,
     keep_local_where_non_finite,
 )
+from collab.hivemind_fixes import entry_point_patches_applied
 from tests.local_dht import two_dhts
+from trainer.local import wait_until
 
 TENSOR_SIZES = (1000, 24)  # values; several parts per reducer with the small part size below
 PART_SIZE_BYTES = 512
@@ -220,3 +226,52 @@ def test_replies_a_sender_will_never_get_are_owed_no_more_and_a_silent_round_rep
 
     assert asyncio.run(closed_stream()) == [300]  # reported at once
     assert asyncio.run(stuck_stream()) == ([], [0])
+
+
+def fill(averager: FiniteAverager, value: float) -> None:
+    with averager.get_tensors() as (tensor,):
+        tensor.fill_(value)
+
+
+def averaged_completely(averager: FiniteAverager) -> bool:
+    """Whether the round left this averager with the mean of 0 and 2 in every value."""
+    with averager.get_tensors() as (tensor,):
+        return bool(torch.all(tensor == 1.0))
+
+
+@pytest.mark.timeout(120)
+def test_a_groupmate_starting_later_than_the_part_timeout_is_averaged_with_once_the_timeout_grew(tmp_path):
+    """Two real averagers match a round in advance; B starts its all-reduce (its trigger) LATE seconds after A, later
+    than --next_chunk_timeout: A drops B and B's parts find A done, so both keep most of their own values (hivemind,
+    every round). Each round that dropped a groupmate doubles the part timeouts, so by the third round they outlast
+    B's lateness and the round averages every value."""
+    late, configured = 2.5, 1.0
+    options = dict(
+        prefix="late_starts", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True
+    )
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        pair = [FiniteAverager([torch.zeros(1000)], dht=dht, next_chunk_timeout=configured, **options) for dht in dhts]
+        try:
+            complete = []
+            for _ in range(4):
+                for averager, value in zip(pair, (0.0, 2.0), strict=True):
+                    fill(averager, value)
+                controls = [
+                    averager.step(require_trigger=True, wait=False, timeout=30, allow_retries=False)
+                    for averager in pair
+                ]
+                wait_until(
+                    lambda: all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls),  # noqa: B023
+                    20,
+                    "a group matched in advance",
+                )
+                controls[0].allow_allreduce()
+                time.sleep(late)
+                controls[1].allow_allreduce()
+                wait_until(lambda: all(control.done() for control in controls), 30, "both rounds to end")  # noqa: B023
+                complete.append([averaged_completely(averager) for averager in pair])
+        finally:
+            for averager in pair:
+                averager.shutdown()
+    assert complete[0] == [False, False], "the late groupmate was not dropped: the test shows nothing"
+    assert complete[2:] == [[True, True]] * 2, complete

@@ -19,7 +19,15 @@ from transformers import AutoModelForMaskedLM
 from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
 from collab.averagers import FiniteTrainingStateAverager, until_done
 from collab.optim import build_optimizer, build_state_averager
-from collab.timeouts import Timeouts, derive_timeouts, download_backoff, estimate_transfers, rank_wait_timeout
+from collab.timeouts import (
+    Timeouts,
+    derive_timeouts,
+    download_backoff,
+    estimate_transfers,
+    part_timeout,
+    part_timeout_need,
+    rank_wait_timeout,
+)
 from trainer.model import tiny_bert_config
 
 MB = 1e6
@@ -104,6 +112,14 @@ def test_a_mistyped_bandwidth_is_capped_not_days():
         transfers_100m(bandwidth_mbit=0.0)
     with pytest.raises(ValueError):
         transfers_100m(group_size=1)
+
+
+def test_the_part_timeout_outlasts_the_latest_groupmate_of_recent_rounds_within_its_cap():
+    assert part_timeout_need(latest_start=4.0, dropped=False, timeout=3.0) == 8.0  # twice the latest start
+    assert part_timeout_need(latest_start=1.0, dropped=True, timeout=5.4) == 10.8  # a drop: twice the timeout it had
+    assert part_timeout(5.4, [0.2, 1.0], cap=24.0) == 5.4  # on time: the configured timeout
+    assert part_timeout(5.4, [0.2, 10.8, 8.0], cap=24.0) == 10.8  # the most a remembered round called for
+    assert part_timeout(5.4, [43.2], cap=24.0) == 24.0  # within the round's time
 
 
 def test_state_downloads_back_off_exponentially_up_to_30_s():
