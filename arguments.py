@@ -199,9 +199,10 @@ class OptimizerArguments:
         default=None,
         metadata={
             "help": "Seconds an averaging round waits for a groupmate's next piece of data before it averages without "
-            "that peer. Default: derived from --bandwidth, at least matchmaking_time (hivemind's default). Longer "
-            "keeps a peer that starts its round late; shorter loses less time when a matched peer never comes (each "
-            "such round waits this long)"
+            "that peer. Default: derived from --bandwidth, at least matchmaking_time (hivemind's default). A floor: "
+            "after rounds where groupmates started their part later, or one was dropped, each averager waits longer "
+            "(twice the latest start of its last rounds, within the round's time; collab/timeouts.py). Shorter loses "
+            "less time when a matched peer never comes (each such round waits this long)"
         },
     )
     grad_compression: Literal["fp16", "8bit"] = field(

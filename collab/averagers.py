@@ -261,7 +261,7 @@ class PartTimeout:
             self.logged = self.seconds
             logger.info(
                 f"{self.round_kind.capitalize()} rounds wait {self.seconds:.1f} s for a groupmate's part "
-                f"(--next_chunk_timeout {self.configured:g}): in the last round the latest groupmate started "
+                f"(--next_chunk_timeout {self.configured:.1f}): in the last round the latest groupmate started "
                 f"{latest_start:.1f} s after this peer" + (" and one was dropped" if dropped else "")
             )
         return self.seconds

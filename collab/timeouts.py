@@ -54,7 +54,7 @@ DISK_BYTES_PER_SECOND = 50e6  # a slow disk (an SD card, a busy HDD); an SSD wri
 FP16_BYTES = 2  # bytes per value of parameter rounds and state downloads (fp16 on the wire)
 
 LATE_START_MARGIN = 2.0  # a sender timeout twice the latest groupmate's start in recent rounds
-PART_TIMEOUT_MEMORY = 8  # rounds whose late starts the sender timeout remembers
+PART_TIMEOUT_MEMORY = 32  # rounds whose late starts the sender timeout remembers: a swarm keeps its spread
 
 FIRST_BACKOFF = 1.0  # seconds before the second try, doubled before each later one
 MAX_BACKOFF = 30.0
