@@ -193,7 +193,7 @@ def part_timeout_need(latest_start: float, dropped: bool, timeout: float) -> flo
 def part_timeout(configured: float, needs: Sequence[float], cap: float) -> float:
     """The sender timeout for the next round: the configured one (``next_chunk_timeout``), or the most that the
     recent rounds called for (``part_timeout_need``) when longer, at most ``cap``."""
-    return min(cap, max(configured, *needs))
+    return min(cap, max([configured, *needs]))
 
 
 def download_backoff(tries_done: int) -> float:

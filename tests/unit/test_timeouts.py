@@ -117,6 +117,7 @@ def test_a_mistyped_bandwidth_is_capped_not_days():
 def test_the_part_timeout_outlasts_the_latest_groupmate_of_recent_rounds_within_its_cap():
     assert part_timeout_need(latest_start=4.0, dropped=False, timeout=3.0) == 8.0  # twice the latest start
     assert part_timeout_need(latest_start=1.0, dropped=True, timeout=5.4) == 10.8  # a drop: twice the timeout it had
+    assert part_timeout(5.4, [], cap=24.0) == 5.4  # no round yet
     assert part_timeout(5.4, [0.2, 1.0], cap=24.0) == 5.4  # on time: the configured timeout
     assert part_timeout(5.4, [0.2, 10.8, 8.0], cap=24.0) == 10.8  # the most a remembered round called for
     assert part_timeout(5.4, [43.2], cap=24.0) == 24.0  # within the round's time
