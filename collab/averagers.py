@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import InvalidStateError
 from functools import partial
 from itertools import chain
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
 import torch
@@ -52,7 +52,7 @@ from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state, load_optimizer_state
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
@@ -135,7 +135,9 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
         self.started = time.monotonic()
         self.sender_starts: dict[PeerID, float] = {}  # seconds after this peer's start that each sender's part came
 
-    async def rpc_aggregate_part(self, stream, context):
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         self.sender_starts.setdefault(context.remote_id, time.monotonic() - self.started)
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
