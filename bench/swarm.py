@@ -187,14 +187,14 @@ class PeerRun:
     ended_by: str | None = None  # "kill", "leave", "exit" (by itself) or "end"
 
 
+def weighted_gradient_round(record: dict) -> bool:
+    """A gradient round that took this peer's own samples (weight > 0: not catching up), with or without groupmates."""
+    return record["event"] == "averaged" and record["kind"] == "gradients" and (record.get("weight") or 0) > 0
+
+
 def own_round(record: dict) -> bool:
-    """A gradient round that took this peer's own samples (weight > 0: not catching up) with at least one groupmate."""
-    return (
-        record["event"] == "averaged"
-        and record["kind"] == "gradients"
-        and (record.get("weight") or 0) > 0
-        and (record.get("group_size") or 0) >= 2
-    )
+    """A ``weighted_gradient_round`` with at least one groupmate."""
+    return weighted_gradient_round(record) and (record.get("group_size") or 0) >= 2
 
 
 def started_epoch(run: PeerRun) -> int | None:
@@ -205,27 +205,27 @@ def started_epoch(run: PeerRun) -> int | None:
     return int(run.steps[0][2]) if run.steps else None
 
 
-def computed_samples(run: PeerRun, first: int, last: int) -> int:
-    """Samples the run computed while at epochs ``first`` to ``last - 1``, killed runs' partial epochs included.
+def samples_by_epoch(run: PeerRun, first: int, last: int) -> dict[int, int]:
+    """Samples the run computed while at each epoch of ``first`` to ``last - 1``, killed runs' partial epochs included.
 
     A steps record's epoch is the one after its step, so a step belongs to the epoch its previous record ended at.
     """
-    epoch, total = started_epoch(run), 0
+    epoch, made = started_epoch(run), {}
     for _, samples, after in run.steps:
         if epoch is not None and first <= epoch < last:
-            total += int(samples)
+            made[epoch] = made.get(epoch, 0) + int(samples)
         epoch = int(after)
-    return total
+    return made
+
+
+def computed_samples(run: PeerRun, first: int, last: int) -> int:
+    """Samples the run computed while at epochs ``first`` to ``last - 1`` (``samples_by_epoch``)."""
+    return sum(samples_by_epoch(run, first, last).values())
 
 
 def alone_round(record: dict) -> bool:
-    """A gradient round with this peer's own samples that found no groupmate: its group was itself."""
-    return (
-        record["event"] == "averaged"
-        and record["kind"] == "gradients"
-        and (record.get("weight") or 0) > 0
-        and record.get("group_size") == 1
-    )
+    """A ``weighted_gradient_round`` that found no groupmate: its group was this peer only."""
+    return weighted_gradient_round(record) and record.get("group_size") == 1
 
 
 def contributed_epochs(events: Sequence[dict], which: Callable[[dict], bool] = own_round) -> set[int]:
@@ -265,17 +265,12 @@ SAMPLE_OUTCOMES = ("applied", "alone", "no_round", "unpublished", "dropped_by_do
 
 def samples_by_outcome(run: PeerRun, first: int, last: int) -> dict[str, int]:
     """Where the samples the run computed at epochs ``first`` to ``last - 1`` went, by the epoch they were made in
-    (``computed_samples``' rule), one of ``SAMPLE_OUTCOMES``: ``applied`` (the epoch ended published after an own
+    (``samples_by_epoch``), one of ``SAMPLE_OUTCOMES``: ``applied`` (the epoch ended published after an own
     round), ``alone`` (its gradient round's group was this peer only), ``no_round`` (no round completed: it found no
     group, failed or was given up), ``unpublished`` (the peer was catching up or out of sync), ``dropped_by_download``
     (a state download moved the peer past the epoch), ``unfinished`` (the run ended first: killed, left, or the
     window closed)."""
-    made: dict[int, int] = {}
-    epoch = started_epoch(run)
-    for _, samples, after in run.steps:
-        if epoch is not None and first <= epoch < last:
-            made[epoch] = made.get(epoch, 0) + int(samples)
-        epoch = int(after)
+    made = samples_by_epoch(run, first, last)
     contributed, alone = contributed_epochs(run.events), contributed_epochs(run.events, alone_round)
     outcome: dict[int, str] = {}
     epoch = started_epoch(run)
