@@ -159,6 +159,7 @@ class PeerArguments:
 
 
 MAX_LOCAL_STEPS = 100_000  # DiLoCo's largest tested interval is 500 inner steps; beyond this no round would happen
+MAX_NONFINITE_BATCH_LIMIT = 100_000  # mini-batches: a limit past this never stops a diverged peer in a day
 MAX_OUTER_LEARNING_RATE = 10.0  # DiLoCo uses 0.7; far above 1 the outer step overshoots the pseudo-gradient
 MAX_SHUTDOWN_TIMEOUT = 3600.0  # seconds; also caps the derived deadline (collab.timeouts)
 
@@ -556,6 +557,15 @@ class TrainingArguments:
             "backward, and rank 0's optimizer step runs on its CPU. A plain peer (no torchrun) ignores it"
         },
     )
+    nonfinite_batch_limit: int = field(
+        default=64,
+        metadata={
+            "help": "Mini-batches in a row with a non-finite loss or gradients (each one is dropped) after which the "
+            "peer restores its last backup; another such streak before the restored state has stepped as many in a "
+            "row stops it (exit 2): training diverged. fp16's loss scale halves at each dropped batch, so far below "
+            "30 a peer can stop while its scale still settles"
+        },
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches (processes)"})
     output_dir: str = field(
         default="outputs/peer",
@@ -565,6 +575,11 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         _require_positive(self, "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate")
         _require_positive(self, "adam_epsilon", "clamp_value", "max_grad_norm", "total_steps")
+        if not 1 <= self.nonfinite_batch_limit <= MAX_NONFINITE_BATCH_LIMIT:
+            _fail(
+                "nonfinite_batch_limit",
+                f"must be from 1 to {MAX_NONFINITE_BATCH_LIMIT} (got {self.nonfinite_batch_limit})",
+            )
         _require_non_negative(self, "weight_decay", "warmup_steps", "max_steps", "dataloader_num_workers")
         if self.ddp_timeout is not None:
             _require_positive(self, "ddp_timeout")

@@ -195,11 +195,14 @@ class CollaborativeCallback:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
-    def restore_backup(self) -> None:
-        """Put back the last in-memory backup of the model and the optimizer."""
+    def restore_backup(
+        self, reason: str = "nonfinite_parameters", why: str = "Parameters became NaN or infinite"
+    ) -> None:
+        """Put back the last in-memory backup of the model and the optimizer; ``reason`` goes to the event, ``why`` to
+        the log."""
         self.rollbacks += 1
-        logger.warning("Parameters became NaN or infinite: restoring the backup (rollback #%d)", self.rollbacks)
-        events.emit("rollback", epoch=self.optimizer.local_epoch, rollbacks=self.rollbacks)
+        logger.warning("%s: restoring the backup (rollback #%d)", why, self.rollbacks)
+        events.emit("rollback", epoch=self.optimizer.local_epoch, rollbacks=self.rollbacks, reason=reason)
         self._load_training_state(self.backup["model"], copy.deepcopy(self.backup["optimizer"]))
 
     def resume_from(self, resume: ResumePoint) -> None:

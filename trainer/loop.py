@@ -23,6 +23,8 @@ from trainer.ranks import RankSync, ShardedRankSync, StepStart
 
 logger = logging.getLogger(__name__)
 
+LOSS_SCALE_INIT = 2.0**16  # fp16's first loss scale (torch's default), also after a restored backup
+
 
 @dataclass
 class TrainingSummary:
@@ -46,6 +48,47 @@ class TrainingSummary:
 def format_report(report: EpochReport, peers: int) -> str:
     """The one line per global epoch that people read: ``epoch 12 | loss 3.412 | 88.1 samples/s | 3 peers``."""
     return f"epoch {report.epoch} | loss {report.loss:.4f} | {report.samples_per_second:.1f} samples/s | {peers} peers"
+
+
+class NonFiniteStreak:
+    """Mini-batches dropped in a row for a non-finite loss or gradients, and what the peer does about them.
+
+    A streak of ``limit`` means the state itself is broken (fp16's loss scale halves at every such batch, so by then no
+    scale is left to blame): the peer restores its last backup. Another streak before the restored state has taken
+    ``limit`` steps in a row means it is broken too, and the peer stops: a peer that drops (almost) every batch
+    computes for nothing and looks alive.
+    """
+
+    RESTORE, DIVERGED = "restore", "diverged"
+
+    def __init__(self, limit: int):
+        self.limit, self.dropped_in_a_row, self.stepped_in_a_row, self.restored = limit, 0, 0, False
+
+    def dropped(self) -> str | None:
+        """Count one dropped mini-batch; ``RESTORE`` or ``DIVERGED`` once a streak reaches the limit, else None."""
+        self.dropped_in_a_row += 1
+        self.stepped_in_a_row = 0
+        if self.dropped_in_a_row < self.limit:
+            return None
+        self.dropped_in_a_row = 0
+        if self.restored:
+            return self.DIVERGED
+        self.restored = True
+        return self.RESTORE
+
+    def stepped(self) -> None:
+        self.dropped_in_a_row = 0
+        self.stepped_in_a_row += 1
+        if self.stepped_in_a_row >= self.limit:
+            self.restored = False  # the restored state proved itself
+
+
+def diverged_error(limit: int, learning_rate: float) -> ConfigError:
+    return ConfigError(
+        f"--learning_rate: training diverged ({limit} mini-batches in a row had a non-finite loss or gradients, "
+        f"also after restoring the last backup); lower --learning_rate (now {learning_rate:g}) and start again",
+        field="learning_rate",
+    )
 
 
 SHORT_EPOCH_FACTOR = 2.0  # epochs shorter than this many matchmaking_times make averaging rounds overlap
@@ -191,7 +234,8 @@ def train(
     parameters and steps on the gradients of all ranks (``trainer.ranks``). With ``sharded_model`` (``--shard_model``)
     the ranks compute on their shards of it, and ``model`` is the whole model in host memory that hivemind trains.
     """
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE_INIT, enabled=amp_dtype == torch.float16)
+    streak = NonFiniteStreak(training_args.nonfinite_batch_limit)
     sync = RankSync(model, device) if sharded_model is None else ShardedRankSync(sharded_model, device, model)
     samples_per_step = optimizer.batch_size_per_step * sync.ranks.world_size
     accumulation = training_args.gradient_accumulation_steps
@@ -221,7 +265,15 @@ def train(
                 events.emit("batch_dropped", epoch=optimizer.local_epoch, skipped_batches=summary.skipped_batches)
                 scaler.update()
                 optimizer.zero_grad()
+                action = streak.dropped()
+                if action == NonFiniteStreak.DIVERGED:
+                    raise diverged_error(streak.limit, training_args.learning_rate)
+                if action == NonFiniteStreak.RESTORE:
+                    why = f"{streak.limit} mini-batches in a row had a non-finite loss or gradients"
+                    callback.restore_backup("nonfinite_batches", why)
+                    scaler.update(LOSS_SCALE_INIT)  # the streak halved the scale to nothing
                 continue
+            streak.stepped()
             scaler.step(optimizer, batch_size=samples_per_step)
             scaler.update()
             optimizer.zero_grad()

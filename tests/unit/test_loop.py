@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from trainer.loop import IntervalTimer, short_epoch_warning, slow_step_warning
+from trainer.loop import IntervalTimer, NonFiniteStreak, short_epoch_warning, slow_step_warning
 
 
 def test_epochs_much_longer_than_matchmaking_get_no_warning():
@@ -60,3 +60,22 @@ def test_flushed_subnormals_compute_as_zero_here_and_in_threads_started_later():
     assert float(before) == pytest.approx(3e-39, rel=1e-3)  # subnormal, computed exactly (and slowly) by default
     if supported == "True":
         assert float(after) == 0.0 and float(in_thread) == 0.0
+
+
+def test_a_streak_of_dropped_batches_restores_once_then_reports_divergence():
+    streak = NonFiniteStreak(limit=3)
+    assert [streak.dropped() for _ in range(3)] == [None, None, NonFiniteStreak.RESTORE]
+    assert [streak.dropped() for _ in range(3)] == [None, None, NonFiniteStreak.DIVERGED]
+
+
+def test_a_restored_state_must_step_a_whole_limit_in_a_row_before_a_streak_restores_again():
+    streak = NonFiniteStreak(limit=2)
+    assert [streak.dropped(), streak.dropped()] == [None, NonFiniteStreak.RESTORE]
+    streak.stepped()
+    assert [streak.dropped(), streak.dropped()] == [None, NonFiniteStreak.DIVERGED]  # one step in between: still bad
+    streak = NonFiniteStreak(limit=2)
+    assert [streak.dropped(), streak.dropped()] == [None, NonFiniteStreak.RESTORE]
+    streak.stepped()
+    streak.stepped()
+    assert [streak.dropped(), streak.stepped(), streak.dropped()] == [None, None, None]  # a step ends a streak
+    assert streak.dropped() == NonFiniteStreak.RESTORE  # the restored state stepped 2 in a row: restore, not stop

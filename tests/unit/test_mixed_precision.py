@@ -8,41 +8,13 @@ the same model, data and seed.
 
 from __future__ import annotations
 
-import threading
-
-import hivemind
 import pytest
 import torch
 
-from arguments import (
-    TRAINER_ARGUMENTS,
-    AveragerArguments,
-    CollaborationArguments,
-    DatasetArguments,
-    OptimizerArguments,
-    PeerArguments,
-    ProgressTrackerArguments,
-    TrainingArguments,
-    parse_args,
-)
-from collab.callback import CollaborativeCallback
+from arguments import TRAINER_ARGUMENTS, TrainingArguments, parse_args
 from collab.errors import ConfigError
-from collab.optim import build_optimizer
-from collab.schema import make_validators
-from trainer.data import batch_stream
-from trainer.loop import TrainingSummary, autocast_dtype, train
-from trainer.model import build_model, load_tokenizer
-from trainer.tasks import TASKS
-
-STEPS = 3
-# Both paths must take their steps on the same micro-batches; two kinds of timing would move them apart. A delayed
-# step lands on whichever micro-batch follows the end of the background step, and a progress read from the DHT can
-# replace the peer's own sample count with its last published record plus an extrapolation, so an epoch may take a
-# fifth micro-batch (measured: fp16 against fp32 cosine 0.970-0.982 in such runs, 1.00001 in every run without).
-# Steps land at their epoch's end here and the tracker reads the DHT once, at start: what is left is fp16's effect.
-NO_DELAY = {"delay_optimizer_step": False, "delay_grad_averaging": False}
-NO_REFRESH = {"min_refresh_period": 60.0, "max_refresh_period": 60.0, "default_refresh_period": 60.0}
-
+from tests.alone_peer import STEPS, Weights, train_alone
+from trainer.loop import TrainingSummary, autocast_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 FP32_ONLY = TrainingArguments(fp16=False)
@@ -71,57 +43,6 @@ def test_bf16_takes_the_place_of_fp16_which_is_on_by_default():
     assert (training_args.bf16, training_args.fp16) == (True, True)
     assert autocast_dtype(training_args, torch.device("cpu")) == torch.bfloat16
     assert autocast_dtype(parse_args(TRAINER_ARGUMENTS, [])[-1], torch.device("cpu")) is None  # fp16 needs CUDA
-
-
-Weights = dict[str, torch.Tensor]
-
-
-def train_alone(amp_dtype: torch.dtype | None, prefix: str) -> tuple[TrainingSummary, Weights, Weights]:
-    """STEPS global steps of one peer on CPU under ``amp_dtype`` autocast (None: fp32), as run_peer assembles it; the
-    summary, weights before and after."""
-    dataset_args = DatasetArguments()
-    training_args = TrainingArguments(max_steps=STEPS, per_device_train_batch_size=4, seed=7)
-    task = TASKS[dataset_args.task]
-    tokenizer = load_tokenizer(dataset_args)
-    model, _ = build_model(dataset_args, tokenizer, training_args.seed)
-    before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    validators, public_key = make_validators(prefix)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
-    try:
-        optimizer = build_optimizer(
-            model,
-            dht,
-            PeerArguments(experiment_prefix=prefix),
-            OptimizerArguments(target_batch_size=16, matchmaking_time=0.5, averaging_timeout=5.0, **NO_DELAY),
-            AveragerArguments(),
-            ProgressTrackerArguments(**NO_REFRESH),
-            training_args,
-        )
-        try:
-            collaboration = CollaborationArguments()
-            callback = CollaborativeCallback(
-                dht,
-                optimizer,
-                model,
-                public_key,
-                prefix,
-                collaboration.statistics_expiration,
-                collaboration.backup_every_steps,
-            )
-            callback.on_train_begin(None)
-            batches = batch_stream(
-                task.train_dataset(dataset_args, tokenizer),
-                task.collator(tokenizer),
-                training_args.per_device_train_batch_size,
-                data_seed=11,
-                task=task.name,
-            )
-            summary = train(model, optimizer, callback, batches, training_args, CPU, threading.Event(), amp_dtype)
-        finally:
-            optimizer.shutdown()
-    finally:
-        dht.shutdown()
-    return summary, before, {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
