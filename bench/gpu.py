@@ -12,6 +12,7 @@ Then ``GPU_MODES``: the same two peers in each precision and mode, on the defaul
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.formulas import epoch_target_batch_size
@@ -22,14 +23,37 @@ GPU_EPOCH_SECONDS = 9.0  # about an epoch of the CPU default on 2 cores, so both
 BERT_BASE_SHAPE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
 BASE_TARGET_BATCH_SIZE = 2048
 BASE_MICRO_BATCH = 32
+# the README's rate for BERT-size models: at the default model's 0.2 both BERT-base peers of the low-communication mode
+# diverged after three outer rounds (docs/benchmarks/2026-11-27-nvidia-h100-gpu.md)
+BASE_LEARNING_RATE = 0.00176
 MODES_LOCAL_STEPS = 4
+# an outer round comes about every 10 s on one H100 (same file): a window of 100 s prices about ten of them
+LOWCOMM_WINDOW_S = 100.0
 
-# (setting, model, flags): "tiny" is the default model at item 7's target (item 7 is its fp16 sync row); "base" the
-# BERT-base shape, where the modes compare.
+
+@dataclass(frozen=True)
+class GpuMode:
+    """One row of the modes table: ``model`` is "tiny" (the default model at item 7's target; item 7 is its fp16 sync
+    row) or "base" (the BERT-base shape, where the modes compare); ``rounds`` the rounds its row counts (a key of
+    ``collab_pair``'s result: gradient rounds, or the low-communication mode's outer rounds)."""
+
+    setting: str
+    model: str
+    flags: tuple[str, ...]
+    rounds: str = "averaging_rounds"
+    min_window_s: float = 0.0
+
+
 GPU_MODES = [
-    ("tiny bf16 sync", "tiny", ["--bf16"]),
-    ("base bf16 sync", "base", ["--bf16"]),
-    ("base bf16 lowcomm H=4 8bit", "base", ["--bf16", *lowcomm_flags(MODES_LOCAL_STEPS, "8bit")]),
+    GpuMode("tiny bf16 sync", "tiny", ("--bf16",)),
+    GpuMode("base bf16 sync", "base", ("--bf16",)),
+    GpuMode(
+        "base bf16 lowcomm H=4 8bit",
+        "base",
+        ("--bf16", *lowcomm_flags(MODES_LOCAL_STEPS, "8bit")),
+        rounds="outer_rounds",
+        min_window_s=LOWCOMM_WINDOW_S,
+    ),
 ]
 
 
@@ -91,10 +115,10 @@ def gpu_modes(seconds: float, log_dir: Path, progress, tiny_target: int) -> list
     base = base_model_folder(log_dir)
     sink = log_dir / "gpu_modes.jsonl"
     rows = []
-    for setting, model, flags in GPU_MODES:
+    for mode in GPU_MODES:
         model_flags = (
             ["--target_batch_size", tiny_target]
-            if model == "tiny"
+            if mode.model == "tiny"
             else [
                 "--model_name_or_path",
                 base,
@@ -102,22 +126,27 @@ def gpu_modes(seconds: float, log_dir: Path, progress, tiny_target: int) -> list
                 BASE_TARGET_BATCH_SIZE,
                 "--per_device_train_batch_size",
                 BASE_MICRO_BATCH,
+                "--learning_rate",
+                BASE_LEARNING_RATE,
             ]
         )
-        name = "gpu_" + setting.replace(" ", "_").replace("=", "")
+        name = "gpu_" + mode.setting.replace(" ", "_").replace("=", "")
         try:
-            run = collab_pair(name, [*model_flags, *flags], log_dir, seconds=seconds)
+            window = max(seconds, mode.min_window_s)
+            run = collab_pair(name, [*model_flags, *mode.flags], log_dir, seconds=window)
             collab = run["samples_per_second"]
             row = {
-                "setting": setting,
+                "setting": mode.setting,
                 "per_peer_samples_per_second": collab and collab / PAIR,
-                "averaging_rounds": run["averaging_rounds"],
+                "averaging_rounds": run[mode.rounds],
+                "rounds": mode.rounds,
+                "dropped_batches": run["dropped_batches"],
                 "window_s": run["window_s"],
             }
         except Exception as e:  # one failed setting still leaves the others' figures
-            row = {"setting": setting, "error": f"{type(e).__name__}: {e}"[:500]}
+            row = {"setting": mode.setting, "error": f"{type(e).__name__}: {e}"[:500]}
         rows.append(row)
         with sink.open("a") as out:
             out.write(json.dumps(row) + "\n")
-        progress(f"GPU {setting}")
+        progress(f"GPU {mode.setting}")
     return rows

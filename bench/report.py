@@ -182,9 +182,9 @@ def gpu_section(gpu: dict | None) -> str:
                 ],
             ),
             "Each precision and mode, two peers on the same GPU (base: BERT-base shape, about 90M parameters, "
-            "from scratch; lowcomm: `--local_steps 4 --pseudo_grad_compression 8bit`):",
+            "from scratch; lowcomm: `--local_steps 4 --pseudo_grad_compression 8bit`; its rounds are outer rounds):",
             table(
-                ["setting", "samples/s per peer", "steady window (s)", "rounds"],
+                ["setting", "samples/s per peer", "steady window (s)", "rounds", "dropped batches"],
                 [_gpu_mode_row(row) for row in gpu.get("modes", [])],
             ),
         ]
@@ -193,8 +193,9 @@ def gpu_section(gpu: dict | None) -> str:
 
 def _gpu_mode_row(row: dict) -> list:
     if "error" in row:
-        return [row["setting"], f"failed: {row['error']}", "", ""]
-    return [row["setting"], row["per_peer_samples_per_second"], row["window_s"], _rounds(row)]
+        return [row["setting"], f"failed: {row['error']}", "", "", ""]
+    dropped = "/".join(map(str, row.get("dropped_batches", [])))  # figures saved before it was counted lack it
+    return [row["setting"], row["per_peer_samples_per_second"], row["window_s"], _rounds(row), dropped]
 
 
 def link_section(link: dict) -> str:

@@ -167,6 +167,8 @@ def collab_pair(
         "time_split": time_split(peers_steps, 1),
         "window_s": window and window[1] - window[0],
         "averaging_rounds": rounds,
+        "outer_rounds": [len(child.averaging_group_sizes("pseudo-gradients")) for child in started],
+        "dropped_batches": [len(child.events("batch_dropped")) for child in started],
         "cpu": window and sampler.cores_between(*window),
         "models": outputs,
     }

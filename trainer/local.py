@@ -167,9 +167,10 @@ class LocalProcess:
         """Tracebacks in the log that pass through this project's code (hivemind logs its own network errors)."""
         return tracebacks_from_our_code(self.log())
 
-    def averaging_group_sizes(self) -> list[int]:
-        """Group size of every completed gradient-averaging round."""
-        return [record["group_size"] for record in self.events("averaged") if record["kind"] == "gradients"]
+    def averaging_group_sizes(self, kind: str = "gradients") -> list[int]:
+        """Group size of every completed averaging round of ``kind`` (an ``averaged`` event's: gradients,
+        pseudo-gradients, parameters)."""
+        return [record["group_size"] for record in self.events("averaged") if record["kind"] == kind]
 
     def latest_epoch(self) -> int:
         """The last global epoch this peer reported, -1 before its first."""

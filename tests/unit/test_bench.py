@@ -210,6 +210,7 @@ def test_report_shows_the_gpu_figures_or_why_they_are_missing():
                 "setting": "base bf16 sync",
                 "per_peer_samples_per_second": 410.5,
                 "averaging_rounds": [7, 6],
+                "dropped_batches": [0, 12],
                 "window_s": 20.0,
             },
             {"setting": "base bf16 lowcomm H=4 8bit", "error": "RuntimeError: peers exited with [1, 0]"},
@@ -219,8 +220,8 @@ def test_report_shows_the_gpu_figures_or_why_they_are_missing():
     assert "Device: **NVIDIA H100 80GB HBM3**; target_batch_size 65536." in text
     assert "| plain HF AMP loops (before / after) | 1000.0 / 950.0 |" in text
     assert "| collaborating peers (fp16) | 900.00 | 0.92 | 40.00 | 5/5 |" in text
-    assert "| base bf16 sync | 410.50 | 20.00 | 7/6 |" in text
-    assert "| base bf16 lowcomm H=4 8bit | failed: RuntimeError: peers exited with [1, 0] |  |  |" in text
+    assert "| base bf16 sync | 410.50 | 20.00 | 7/6 | 0/12 |" in text
+    assert "| base bf16 lowcomm H=4 8bit | failed: RuntimeError: peers exited with [1, 0] |  |  |  |" in text
 
 
 @pytest.mark.timeout(120)
