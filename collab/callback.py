@@ -68,6 +68,13 @@ def read_resume_point(path: str, model_class: type) -> ResumePoint:
     return ResumePoint(path, manifest.step, weights, state["optimizer"])
 
 
+# a rollback event's reason, and what the log says of it
+ROLLBACK_REASONS = {
+    "nonfinite_parameters": "Parameters became NaN or infinite",
+    "nonfinite_batches": "--nonfinite_batch_limit mini-batches in a row had a non-finite loss or gradients",
+}
+
+
 class CollaborativeCallback:
     """Publishes this peer's LocalMetrics once per new global epoch and guards the parameters.
 
@@ -195,13 +202,10 @@ class CollaborativeCallback:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
-    def restore_backup(
-        self, reason: str = "nonfinite_parameters", why: str = "Parameters became NaN or infinite"
-    ) -> None:
-        """Put back the last in-memory backup of the model and the optimizer; ``reason`` goes to the event, ``why`` to
-        the log."""
+    def restore_backup(self, reason: str = "nonfinite_parameters") -> None:
+        """Put back the last in-memory backup of the model and the optimizer, for ``reason`` (``ROLLBACK_REASONS``)."""
         self.rollbacks += 1
-        logger.warning("%s: restoring the backup (rollback #%d)", why, self.rollbacks)
+        logger.warning("%s: restoring the backup (rollback #%d)", ROLLBACK_REASONS[reason], self.rollbacks)
         events.emit("rollback", epoch=self.optimizer.local_epoch, rollbacks=self.rollbacks, reason=reason)
         self._load_training_state(self.backup["model"], copy.deepcopy(self.backup["optimizer"]))
 

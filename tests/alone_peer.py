@@ -38,6 +38,11 @@ NO_REFRESH = {"min_refresh_period": 60.0, "max_refresh_period": 60.0, "default_r
 Weights = dict[str, torch.Tensor]
 
 
+def alone_training(**overrides) -> TrainingArguments:
+    """The training arguments of ``train_alone``'s peer: STEPS global steps of micro-batches of 4, seed 7."""
+    return TrainingArguments(**{"max_steps": STEPS, "per_device_train_batch_size": 4, "seed": 7, **overrides})
+
+
 def train_alone(
     amp_dtype: torch.dtype | None,
     prefix: str,
@@ -49,7 +54,7 @@ def train_alone(
     fp32); the summary, weights before and after. ``spoil`` changes the model once the peer has taken its first
     backup, or before (``spoil_backup``)."""
     dataset_args = DatasetArguments()
-    training_args = training_args or TrainingArguments(max_steps=STEPS, per_device_train_batch_size=4, seed=7)
+    training_args = training_args or alone_training()
     task = TASKS[dataset_args.task]
     tokenizer = load_tokenizer(dataset_args)
     model, _ = build_model(dataset_args, tokenizer, training_args.seed)

@@ -269,8 +269,7 @@ def train(
                 if action == NonFiniteStreak.DIVERGED:
                     raise diverged_error(streak.limit, training_args.learning_rate)
                 if action == NonFiniteStreak.RESTORE:
-                    why = f"{streak.limit} mini-batches in a row had a non-finite loss or gradients"
-                    callback.restore_backup("nonfinite_batches", why)
+                    callback.restore_backup("nonfinite_batches")
                     scaler.update(LOSS_SCALE_INIT)  # the streak halved the scale to nothing
                 continue
             streak.stepped()

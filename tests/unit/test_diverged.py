@@ -5,14 +5,12 @@ stepping 12 times between them (docs/benchmarks/2026-11-27-nvidia-h100-gpu.md)."
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
-from arguments import TrainingArguments
+from collab import events
 from collab.errors import ConfigError
-from tests.alone_peer import STEPS, train_alone
+from tests.alone_peer import STEPS, alone_training, train_alone
 
 LIMIT = 3
 
@@ -25,38 +23,36 @@ def overflow_layer_norms(model: torch.nn.Module) -> None:
                 module.weight.fill_(1e30)
 
 
-def training(**overrides) -> TrainingArguments:
-    return TrainingArguments(
-        max_steps=STEPS, per_device_train_batch_size=4, seed=7, nonfinite_batch_limit=LIMIT, **overrides
-    )
+@pytest.fixture
+def events_path(tmp_path):
+    """This process's event log, for the peer trained in it; closed afterwards."""
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)
+    yield path
+    events.open_event_log(None)
 
 
-def dropped_and_restored(caplog) -> tuple[int, int]:
-    messages = [record.getMessage() for record in caplog.records]
-    dropped = sum(message.startswith("Dropping a mini-batch with non-finite") for message in messages)
-    restored = sum("restoring the backup" in message for message in messages)
-    return dropped, restored
+def dropped_and_rollback_reasons(path) -> tuple[int, list[str]]:
+    return len(events.read_events(path, "batch_dropped")), [r["reason"] for r in events.read_events(path, "rollback")]
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_that_drops_every_batch_goes_back_to_its_backup_and_trains(caplog):
-    caplog.set_level(logging.WARNING)
-    summary, _, after = train_alone(None, "streak_restore", training(), spoil=overflow_layer_norms)
+def test_a_peer_that_drops_every_batch_goes_back_to_its_backup_and_trains(events_path):
+    training = alone_training(nonfinite_batch_limit=LIMIT)
+    summary, _, after = train_alone(None, "streak_restore", training, spoil=overflow_layer_norms)
     assert (summary.skipped_batches, summary.rollbacks) == (LIMIT, 1)
     assert summary.end_epoch == STEPS
     assert all(torch.isfinite(param).all() for param in after.values())
     assert max(param.abs().max() for name, param in after.items() if "LayerNorm" in name) < 100
-    assert dropped_and_restored(caplog) == (LIMIT, 1)
+    assert dropped_and_rollback_reasons(events_path) == (LIMIT, ["nonfinite_batches"])
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_whose_backup_drops_every_batch_too_stops_naming_the_learning_rate(caplog):
-    caplog.set_level(logging.WARNING)
+def test_a_peer_whose_backup_drops_every_batch_too_stops_naming_the_learning_rate(events_path):
+    training = alone_training(nonfinite_batch_limit=LIMIT, learning_rate=0.05)
     with pytest.raises(ConfigError) as stopped:
-        train_alone(
-            None, "streak_diverged", training(learning_rate=0.05), spoil=overflow_layer_norms, spoil_backup=True
-        )
+        train_alone(None, "streak_diverged", training, spoil=overflow_layer_norms, spoil_backup=True)
     message = str(stopped.value)
     assert message.startswith("--learning_rate: training diverged (3 mini-batches in a row") and "\n" not in message
     assert "now 0.05" in message and stopped.value.field == "learning_rate"
-    assert dropped_and_restored(caplog) == (2 * LIMIT, 1)
+    assert dropped_and_rollback_reasons(events_path) == (2 * LIMIT, ["nonfinite_batches"])
