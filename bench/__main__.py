@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         "link": 2,
         "records": 2,
         "scaling": 1,
-        "gpu": 3 + len(GPU_MODES),
+        "gpu": 3 + len(GPU_MODES) + 2,  # the loss comparison: one step per mode
     }
     ticks["wan"] = wan.progress_ticks(wan_plan)
     with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:

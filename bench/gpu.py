@@ -7,6 +7,7 @@ two peers. target_batch_size is sized from the plain loops so that an epoch last
 
 Then ``GPU_MODES``: the same two peers in each precision and mode, on the default model and on a BERT-base shape
 (about 90M parameters, from scratch), side by side in one run: per-peer samples/s, for the README's choice of mode.
+Last ``gpu_loss``: the held-out loss of both modes' BERT-base peers after the same global batches.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.formulas import epoch_target_batch_size
-from bench.training import PAIR, against_plain, collab_pair, plain_pair, plain_seconds
+from bench.formulas import epoch_target_batch_size, ratio
+from bench.training import PAIR, against_plain, collab_pair, held_out_loss, plain_pair, plain_seconds
 from bench.wan import lowcomm_flags
 
 GPU_EPOCH_SECONDS = 9.0  # about an epoch of the CPU default on 2 cores, so both spend a like share averaging
@@ -29,6 +30,8 @@ BASE_LEARNING_RATE = 0.00176
 MODES_LOCAL_STEPS = 4
 # an outer round comes about every 10 s on one H100 (same file): a window of 100 s prices about ten of them
 LOWCOMM_WINDOW_S = 100.0
+# outer rounds of the loss comparison: 8 x 4 global batches of 2048, about 2.5 minutes a mode on one H100
+GPU_LOSS_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def gpu_efficiency(seconds: float, log_dir: Path, progress, device: str = "cuda"
     modes = gpu_modes(seconds, log_dir, progress, target)
     return {
         "modes": modes,
+        "loss": gpu_loss(log_dir, progress),
         "device": name,
         "target_batch_size": target,
         "per_peer_samples_per_second": collab and collab / PAIR,
@@ -150,3 +154,36 @@ def gpu_modes(seconds: float, log_dir: Path, progress, tiny_target: int) -> list
             out.write(json.dumps(row) + "\n")
         progress(f"GPU {mode.setting}")
     return rows
+
+
+def gpu_loss(log_dir: Path, progress, rounds: int = GPU_LOSS_ROUNDS, device: str = "cuda") -> dict:
+    """The held-out loss (``held_out_loss`` on ``device``) of two BERT-base peers (bf16) after the same global batches
+    in each mode: ``rounds`` outer rounds of ``MODES_LOCAL_STEPS`` in the low-communication mode, as many global
+    batches in the synchronous one (bench.wan's rule, on loopback); ``ratio`` is low-communication over synchronous."""
+    common = [
+        *("--model_name_or_path", base_model_folder(log_dir), "--per_device_train_batch_size", BASE_MICRO_BATCH),
+        *("--target_batch_size", BASE_TARGET_BATCH_SIZE, "--learning_rate", BASE_LEARNING_RATE, "--bf16"),
+    ]
+    runs = {}
+    for mode, flags, epochs in (
+        ("sync", [], rounds * MODES_LOCAL_STEPS),
+        ("lowcomm", lowcomm_flags(MODES_LOCAL_STEPS, "8bit"), rounds),
+    ):
+        try:
+            run = collab_pair(f"gpu_loss_{mode}", [*common, *flags], log_dir, max_steps=epochs, timeout=900)
+            runs[mode] = {"held_out_loss": [held_out_loss(Path(folder), device) for folder in run["models"]]}
+        except Exception as e:  # the other mode's figure still counts
+            runs[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        progress(f"GPU loss, {mode}")
+    mean = {mode: _mean(run.get("held_out_loss")) for mode, run in runs.items()}
+    return {
+        **runs,
+        "global_batches": rounds * MODES_LOCAL_STEPS,
+        "target_batch_size": BASE_TARGET_BATCH_SIZE,
+        "local_steps": MODES_LOCAL_STEPS,
+        "ratio": ratio(mean["lowcomm"], mean["sync"]),
+    }
+
+
+def _mean(values: list[float] | None) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -187,7 +187,22 @@ def gpu_section(gpu: dict | None) -> str:
                 ["setting", "samples/s per peer", "steady window (s)", "rounds", "dropped batches"],
                 [_gpu_mode_row(row) for row in gpu.get("modes", [])],
             ),
+            *([_gpu_loss_line(gpu["loss"])] if gpu.get("loss") else []),
         ]
+    )
+
+
+def _gpu_loss_line(loss: dict) -> str:
+    """The two modes' held-out losses after the same global batches (``bench.gpu.gpu_loss``)."""
+
+    def side(mode: str) -> str:
+        run = loss[mode]
+        return f"failed: {run['error']}" if "error" in run else " / ".join(_f(x, 3) for x in run["held_out_loss"])
+
+    return (
+        f"Held-out loss of the two BERT-base peers (bf16) after the same {loss['global_batches']} global batches of "
+        f"{loss['target_batch_size']}: synchronous **{side('sync')}**, low-communication (H={loss['local_steps']}, "
+        f"8-bit) **{side('lowcomm')}**; ratio low-communication / synchronous **{_f(loss['ratio'], 3)}**."
     )
 
 
@@ -383,7 +398,9 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   path), then the plain loops again. Per-peer samples/s is the peers' total over two; efficiency divides it by the
   mean of the plain pairs around it. target_batch_size is the power of two (at least 1024) that the plain pair needs
   about 9 s to reach, as an epoch of the CPU default lasts: a GPU would finish 1024 samples in a fraction of
-  matchmaking_time.
+  matchmaking_time. Then each precision and mode on the default model and a BERT-base shape, and last the held-out
+  loss (`bench.training.held_out_loss`, on the GPU) of two BERT-base peers after the same global batches in each
+  mode (`bench.gpu.gpu_loss`: stopped by `--max_steps`, 8 outer rounds of 4 global batches against 32 batches).
 - **wan** (`python -m bench --only wan`, `bench/wan.py`): three peers (two for shadow compute, whose 124M-parameter
   peers take about 8 GB each), each in its own network namespace, joined through a bridge in a hub namespace; each
   peer's upload is shaped with tbf on its end of its veth pair and its download on the hub's end. Bytes are the

@@ -174,7 +174,8 @@ def collab_pair(
     }
 
 
-def held_out_loss(folder: Path) -> float:
+def held_out_loss(folder: Path, device: str = "cpu") -> float:
+    """The validation split's loss of the masked-LM model saved in ``folder``, evaluated on ``device``."""
     from transformers import AutoModelForMaskedLM
 
     from arguments import MASKED_LM, DatasetArguments
@@ -184,7 +185,7 @@ def held_out_loss(folder: Path) -> float:
 
     dataset_args = DatasetArguments()
     validation = load_split(dataset_args.dataset_path, "validation")
-    model = AutoModelForMaskedLM.from_pretrained(folder)
+    model = AutoModelForMaskedLM.from_pretrained(folder).to(device)
     return language_model_loss(model, validation, load_tokenizer(dataset_args), MASKED_LM)
 
 

@@ -215,6 +215,14 @@ def test_report_shows_the_gpu_figures_or_why_they_are_missing():
             },
             {"setting": "base bf16 lowcomm H=4 8bit", "error": "RuntimeError: peers exited with [1, 0]"},
         ],
+        "loss": {
+            "sync": {"held_out_loss": [7.0333, 7.0334]},
+            "lowcomm": {"error": "RuntimeError: peers exited with [0, 1]"},
+            "global_batches": 32,
+            "target_batch_size": 2048,
+            "local_steps": 4,
+            "ratio": None,
+        },
     }
     text = report.render(header, {"gpu": gpu}, "{}")
     assert "Device: **NVIDIA H100 80GB HBM3**; target_batch_size 65536." in text
@@ -222,6 +230,10 @@ def test_report_shows_the_gpu_figures_or_why_they_are_missing():
     assert "| collaborating peers (fp16) | 900.00 | 0.92 | 40.00 | 5/5 |" in text
     assert "| base bf16 sync | 410.50 | 20.00 | 7/6 | 0/12 |" in text
     assert "| base bf16 lowcomm H=4 8bit | failed: RuntimeError: peers exited with [1, 0] |  |  |  |" in text
+    assert (
+        "after the same 32 global batches of 2048: synchronous **7.033 / 7.033**, low-communication (H=4, 8-bit) "
+        "**failed: RuntimeError: peers exited with [0, 1]**; ratio low-communication / synchronous **n/a**."
+    ) in text
 
 
 @pytest.mark.timeout(120)
