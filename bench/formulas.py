@@ -47,6 +47,11 @@ def ratio(measured: float | None, reference: float | None) -> float | None:
     return measured / reference
 
 
+def mean(values: list[float] | None) -> float | None:
+    """The arithmetic mean, or None for no values (a run that produced none)."""
+    return sum(values) / len(values) if values else None
+
+
 def epoch_target_batch_size(samples_per_second: float, epoch_seconds: float, minimum: int = 1024) -> int:
     """The power of two of samples (at least ``minimum``) that peers training at ``samples_per_second`` in all
     take about ``epoch_seconds`` or more to gather: long epochs keep averaging a small share of the time."""

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.formulas import epoch_target_batch_size, ratio
+from bench.formulas import epoch_target_batch_size, mean, ratio
 from bench.training import PAIR, against_plain, collab_pair, held_out_loss, plain_pair, plain_seconds
 from bench.wan import lowcomm_flags
 
@@ -113,27 +113,22 @@ def base_model_folder(log_dir: Path) -> Path:
     return folder
 
 
+def base_model_flags(log_dir: Path) -> list:
+    """The trainer flags of a BERT-base peer (``base_model_folder``) at the README's batch and learning rate."""
+    return [
+        *("--model_name_or_path", base_model_folder(log_dir), "--target_batch_size", BASE_TARGET_BATCH_SIZE),
+        *("--per_device_train_batch_size", BASE_MICRO_BATCH, "--learning_rate", BASE_LEARNING_RATE),
+    ]
+
+
 def gpu_modes(seconds: float, log_dir: Path, progress, tiny_target: int) -> list[dict]:
     """Per-peer samples/s of two peers on the GPU in each of ``GPU_MODES``; each row also lands in
     ``log_dir/gpu_modes.jsonl`` as it is measured, and a setting that fails is a row with its error."""
-    base = base_model_folder(log_dir)
+    base = base_model_flags(log_dir)
     sink = log_dir / "gpu_modes.jsonl"
     rows = []
     for mode in GPU_MODES:
-        model_flags = (
-            ["--target_batch_size", tiny_target]
-            if mode.model == "tiny"
-            else [
-                "--model_name_or_path",
-                base,
-                "--target_batch_size",
-                BASE_TARGET_BATCH_SIZE,
-                "--per_device_train_batch_size",
-                BASE_MICRO_BATCH,
-                "--learning_rate",
-                BASE_LEARNING_RATE,
-            ]
-        )
+        model_flags = ["--target_batch_size", tiny_target] if mode.model == "tiny" else base
         name = "gpu_" + mode.setting.replace(" ", "_").replace("=", "")
         try:
             window = max(seconds, mode.min_window_s)
@@ -160,10 +155,7 @@ def gpu_loss(log_dir: Path, progress, rounds: int = GPU_LOSS_ROUNDS, device: str
     """The held-out loss (``held_out_loss`` on ``device``) of two BERT-base peers (bf16) after the same global batches
     in each mode: ``rounds`` outer rounds of ``MODES_LOCAL_STEPS`` in the low-communication mode, as many global
     batches in the synchronous one (bench.wan's rule, on loopback); ``ratio`` is low-communication over synchronous."""
-    common = [
-        *("--model_name_or_path", base_model_folder(log_dir), "--per_device_train_batch_size", BASE_MICRO_BATCH),
-        *("--target_batch_size", BASE_TARGET_BATCH_SIZE, "--learning_rate", BASE_LEARNING_RATE, "--bf16"),
-    ]
+    common = [*base_model_flags(log_dir), "--bf16"]
     runs = {}
     for mode, flags, epochs in (
         ("sync", [], rounds * MODES_LOCAL_STEPS),
@@ -175,15 +167,10 @@ def gpu_loss(log_dir: Path, progress, rounds: int = GPU_LOSS_ROUNDS, device: str
         except Exception as e:  # the other mode's figure still counts
             runs[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
         progress(f"GPU loss, {mode}")
-    mean = {mode: _mean(run.get("held_out_loss")) for mode, run in runs.items()}
     return {
         **runs,
         "global_batches": rounds * MODES_LOCAL_STEPS,
         "target_batch_size": BASE_TARGET_BATCH_SIZE,
         "local_steps": MODES_LOCAL_STEPS,
-        "ratio": ratio(mean["lowcomm"], mean["sync"]),
+        "ratio": ratio(mean(runs["lowcomm"].get("held_out_loss")), mean(runs["sync"].get("held_out_loss"))),
     }
-
-
-def _mean(values: list[float] | None) -> float | None:
-    return sum(values) / len(values) if values else None

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.formulas import MBIT, allreduce_bytes_per_peer, ratio, rounded
+from bench.formulas import MBIT, allreduce_bytes_per_peer, mean, ratio, rounded
 from bench.procs import (
     ONE_THREAD,
     Child,
@@ -433,10 +433,9 @@ def loss_after_equal_batches(plan: Plan, log_dir: Path, progress: Callable[[str]
                 "losses": [held_out_loss(folder) for folder in saved],
             }
             progress(f"wan: loss, {mode}")
-    mean = {mode: sum(v["losses"]) / len(v["losses"]) if v["losses"] else None for mode, v in losses.items()}
     return {
         **losses,
-        "ratio": ratio(mean["lowcomm"], mean["sync"]),
+        "ratio": ratio(mean(losses["lowcomm"]["losses"]), mean(losses["sync"]["losses"])),
         "variant": " ".join(plan.loss_variant),
         "common": " ".join(common),
     }

@@ -15,6 +15,7 @@ from bench.formulas import (
     allreduce_bound_s,
     allreduce_bytes_per_peer,
     epoch_target_batch_size,
+    mean,
     paper_scaling,
     ratio,
     round_times,
@@ -50,6 +51,11 @@ def test_ratio_is_none_without_a_usable_reference():
     assert ratio(3.0, 2.0) == 1.5
     assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None and ratio(1.0, None) is None
     assert ratio(math.nan, 1.0) is None
+
+
+def test_mean_is_none_for_a_run_without_values():
+    assert mean([7.0, 8.0]) == 7.5
+    assert mean([]) is None and mean(None) is None
 
 
 def test_steady_window_starts_one_epoch_after_the_last_peer_joined():
