@@ -46,10 +46,16 @@ def _require_non_negative(obj: Any, *names: str) -> None:
             _fail(name, f"must be zero or a positive number (got {value!r})")
 
 
+LOOPBACK_ANY_PORT = "/ip4/127.0.0.1/tcp/0"  # the default listen address
+
+
 def _check_multiaddrs(flag: str, maddrs: Sequence[str], need_peer_id: bool = False) -> None:
+    unchecked = [maddr for maddr in maddrs if maddr != LOOPBACK_ANY_PORT]
+    if not unchecked:
+        return  # hivemind's parser loads all of hivemind and torch: not for the default, so other flags fail fast
     from hivemind.utils.multiaddr import Multiaddr
 
-    for maddr in maddrs:
+    for maddr in unchecked:
         try:
             protocols = [protocol.name for protocol in Multiaddr(maddr).protocols()]
         except Exception as e:
@@ -74,7 +80,7 @@ class PeerArguments:
         },
     )
     host_maddrs: list[str] = field(
-        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        default_factory=lambda: [LOOPBACK_ANY_PORT],
         metadata={
             "help": "Multiaddrs to listen on; the default listens on loopback only. Use /ip4/0.0.0.0/tcp/31337 to "
             "accept peers from other machines (port 0: any free port)"

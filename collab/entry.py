@@ -8,12 +8,8 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from hivemind.utils.logging import use_hivemind_log_handler
-
 from arguments import PeerArguments, argument_groups, parse_args_or_exit, split_config_flags
 from collab.errors import UserError
-from collab.hivemind_fixes import apply_entry_point_patches
-from collab.signals import install_stop_handlers
 
 # C0 controls but tab, DEL, C1 controls and the Unicode line separators: each can end a log line, rewrite one already
 # printed (\r, ANSI escapes start with ESC) or split a line in a log viewer.
@@ -61,6 +57,8 @@ def escape_log_messages() -> None:
 def configure_logging() -> None:
     """INFO through hivemind's handler for every logger; hivemind's own loggers at ``HIVEMIND_LOGLEVEL`` when it is
     set, as hivemind documents (DEBUG tells why matchmaking tries fail: rejected, no answer in time)."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
     use_hivemind_log_handler("in_root_logger")
     logging.getLogger().setLevel(logging.INFO)
     hivemind_level = os.environ.get("HIVEMIND_LOGLEVEL", "").strip().upper()
@@ -71,10 +69,14 @@ def configure_logging() -> None:
 def run_program(prog: str, config_type: type, run: Callable[..., object], argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` into the root config ``config_type`` (a dataclass of argument groups: ``PeerConfig``), call
     ``run(config, stop=event)``; 0 on success, 2 on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # hivemind (torch with it) loads after the flags have passed: bad input is answered in about a second
+    config = config_type(*parse_args_or_exit(argument_groups(config_type), argv, prog=prog))
+    from collab.hivemind_fixes import apply_entry_point_patches
+    from collab.signals import install_stop_handlers
+
     apply_entry_point_patches()
     configure_logging()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config = config_type(*parse_args_or_exit(argument_groups(config_type), argv, prog=prog))
     _, config_token, _ = split_config_flags(argv)
     for args in vars(config).values():
         if isinstance(args, PeerArguments) and args.web_token is None:

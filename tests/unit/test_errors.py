@@ -55,3 +55,23 @@ def test_every_user_error_is_one_line_and_exit_2_and_a_bug_keeps_its_traceback()
     refusals = [line for line in result.stderr.splitlines() if line.startswith("probe: error:")]
     assert refusals == ["probe: error: --some_flag: what to do\\nforged line"] * len(kinds)
     assert result.returncode == 1 and "Traceback" in result.stderr and "RuntimeError" in result.stderr
+
+
+def test_a_bad_flag_is_answered_before_hivemind_and_torch_load():
+    # Loading hivemind (torch with it) takes seconds: a volunteer's typo should not wait for it.
+    probe = textwrap.dedent(
+        """
+        import sys, run_trainer, run_training_monitor
+
+        codes = []
+        for main, argv in [(run_trainer.main, ["--target_batch_size", "-1"]), (run_training_monitor.main, ["--x"])]:
+            try:
+                codes.append(main(argv))
+            except SystemExit as stop:
+                codes.append(stop.code)
+        print(codes, sorted({"hivemind", "torch"} & set(sys.modules)))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines()[-1] == "[2, 2] []", result.stdout + result.stderr
+    assert "--target_batch_size: must be a positive number" in result.stderr
