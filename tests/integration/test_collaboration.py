@@ -43,18 +43,18 @@ from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, 
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-# The timeline's faults (C joins, M crashes and restarts, C is killed, C2 joins) play out by about epoch 14.
-MAX_STEPS = 16
+# The timeline's faults (C joins, M crashes and restarts, C is killed, C2 joins) play out by about epoch 11.
+MAX_STEPS = 13
 # Parameters stop moving at MAX_STEPS except through parameter rounds (every 2nd epoch), which even out what partial
 # rounds left apart. A checkpoint of epoch MAX_STEPS or the next could predate that: in 4 of 24 runs (MAX_STEPS 22) it
 # differed from A's final model by 0.004 to 0.011 (one run failed). The first parameter round at learning rate 0 runs
 # into epoch MAX_STEPS + 2 and is applied by the next step.
 SETTLED_STEP = MAX_STEPS + 3
-# Epochs of 4-6 s, several matchmaking_times long as the trainer asks (docs/RELIABILITY.md has what shorter ones
+# Epochs of 4-8 s, several matchmaking_times long as the trainer asks (docs/RELIABILITY.md has what shorter ones
 # did). next_chunk_timeout stays at 3 s for groupmates that trigger late.
 FAST = [
     "--target_batch_size",
-    "384",
+    "256",
     "--matchmaking_time",
     "1",
     "--next_chunk_timeout",
@@ -283,7 +283,11 @@ def start_epoch(peer: LocalProcess) -> int | None:
 def test_peers_reach_their_max_steps_and_exit_cleanly(collaboration):
     assert collaboration.exit_codes == {"A": 0, "B": 0, "C": -signal.SIGKILL, "C2": 0}
     assert final_epoch(collaboration.peers["A"]) >= MAX_STEPS
-    assert final_epoch(collaboration.peers["B"]) == MAX_STEPS
+    # B stops at the first epoch it holds at or past its max_steps: MAX_STEPS, or later where a state download
+    # caught it up past it (out of sync one epoch before MAX_STEPS, it loaded the swarm's state of one after)
+    b_epochs = [record["epoch"] for record in collaboration.peers["B"].events("epoch")]
+    assert b_epochs[-1] == final_epoch(collaboration.peers["B"]) >= MAX_STEPS
+    assert max(b_epochs[:-1]) < MAX_STEPS
 
 
 def test_events_tell_what_each_peer_did(collaboration):
