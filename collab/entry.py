@@ -70,7 +70,7 @@ def run_program(prog: str, config_type: type, run: Callable[..., object], argv: 
     """Parse ``argv`` into the root config ``config_type`` (a dataclass of argument groups: ``PeerConfig``), call
     ``run(config, stop=event)``; 0 on success, 2 on bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # hivemind (torch with it) loads after the flags have passed: bad input is answered in about a second
+    # hivemind (torch with it) loads only once the flags have passed: bad input is answered without waiting for it
     config = config_type(*parse_args_or_exit(argument_groups(config_type), argv, prog=prog))
     from collab.hivemind_fixes import apply_entry_point_patches
     from collab.signals import install_stop_handlers
