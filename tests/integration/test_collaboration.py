@@ -7,9 +7,9 @@ checkpoint write and restarted with the same identity (M2). C contributes, then 
 averaging round begins, and restarts as C2. An outside client reads the metrics, a stranger forges records and
 a peer with a valid signature publishes a NaN loss. The learning rate reaches 0 at global epoch MAX_STEPS
 (total_steps), where B stops by itself; A and C2 have no max_steps and are stopped (SIGTERM) once B has stopped,
-C2 has contributed and the monitor holds a checkpoint from SETTLED_STEP, after a parameter round at learning rate 0
-has evened out what partial rounds left apart; its parameters are compared with A's. Afterwards a new trainer
-resumes from that checkpoint.
+C2 has contributed and the monitor holds a checkpoint from after a parameter round at learning rate 0 that A and
+C2 both completed in full (what partial rounds left apart is even from then on); its parameters are compared with
+A's. Afterwards a new trainer resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -45,11 +45,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # The timeline's faults (C joins, M crashes and restarts, C is killed, C2 joins) play out by about epoch 11.
 MAX_STEPS = 13
-# Parameters stop moving at MAX_STEPS except through parameter rounds (every 2nd epoch), which even out what partial
-# rounds left apart. A checkpoint of epoch MAX_STEPS or the next could predate that: in 4 of 24 runs (MAX_STEPS 22) it
-# differed from A's final model by 0.004 to 0.011 (one run failed). The first parameter round at learning rate 0 runs
-# into epoch MAX_STEPS + 2 and is applied by the next step.
-SETTLED_STEP = MAX_STEPS + 3
+# Two peers' "averaged" events less than this apart belong to the same round (they end within 0.1 s of each other).
+SAME_ROUND_SECONDS = 3
 # Epochs of 4-8 s, several matchmaking_times long as the trainer asks (docs/RELIABILITY.md has what shorter ones
 # did). next_chunk_timeout stays at 3 s for groupmates that trigger late.
 FAST = [
@@ -90,6 +87,7 @@ class Collaboration:
     forged_store_accepted: bool | None = None
     malformed_store_accepted: bool | None = None
     liar_key: bytes | None = None
+    settled_epoch: int | None = None
 
     def metrics_lines(self) -> list[dict]:
         return [json.loads(line) for line in (self.output / "metrics.jsonl").read_text().splitlines()]
@@ -207,6 +205,11 @@ def collaboration(tmp_path_factory, sample_data):
                 # as an operator would: the restarted first node finds the others through a live peer's address
                 monitors.append(MonitorProcess([*monitor_argv, *peers["B"].join_flags(60)], out / "M2.log"))
 
+            def settled_checkpoint_saved() -> bool:
+                result.settled_epoch = result.settled_epoch or settled_epoch(peers["A"], peers["C2"])
+                steps = [manifest.step for _, manifest in list_checkpoints(repo)[0]]
+                return result.settled_epoch is not None and any(step >= result.settled_epoch for step in steps)
+
             def poll() -> bool:
                 records = read_metrics(reader, prefix)
                 result.metrics_seen.append({k: LocalMetrics.model_validate(v) for k, (v, _) in records.items()})
@@ -238,12 +241,12 @@ def collaboration(tmp_path_factory, sample_data):
                     peers["B"].process.poll() is not None  # B stopped by itself at its max_steps
                     and "C2" in peers
                     and peers["C2"].averaging_group_sizes()  # the restarted peer contributed again
-                    and any(manifest.step >= SETTLED_STEP for _, manifest in list_checkpoints(repo)[0])
+                    and settled_checkpoint_saved()
                     and bool(lines_after_c_expired(result))  # the monitor reported after C's record expired
                 )
 
             # Events, not time, end the run: process start-up is slow on a loaded machine, so A and C2 (no
-            # max_steps) train until B has stopped, C2 has contributed and a checkpoint from SETTLED_STEP exists.
+            # max_steps) train until B has stopped, C2 has contributed and a checkpoint from a settled epoch exists.
             wait_until(poll, timeout=480, what="B to stop, C2 to contribute and a late checkpoint", poll=0.5)
             for name in ("A", "C2"):
                 peers[name].process.send_signal(signal.SIGTERM)
@@ -267,6 +270,34 @@ def lines_after_c_expired(collaboration: Collaboration) -> list[dict]:
         return []
     expired_at = collaboration.killed_c_at + C_EXPIRATION + 2
     return [line for line in collaboration.metrics_lines() if line["time"] > expired_at]
+
+
+def settled_epoch(a: LocalProcess, c2: LocalProcess) -> int | None:
+    """The first epoch whose state holds a parameter round that A and C2 both completed in full at learning rate 0,
+    or None before there is one: from then on nothing moves their parameters apart, so a checkpoint of this epoch or
+    later matches A's final model. A round that ended while a peer was in epoch k + 1 (its last step began from k) is
+    applied by the step into k + 2; one epoch more allows for a state served while that step is being applied."""
+    c2_rounds = [record["time"] for record in complete_parameter_rounds(c2)]
+    for record in complete_parameter_rounds(a):
+        same_round_in_c2 = any(abs(time_ - record["time"]) < SAME_ROUND_SECONDS for time_ in c2_rounds)
+        stepped_from = [last_step_begun_before(peer, record["time"]) for peer in (a, c2)]
+        if same_round_in_c2 and min(stepped_from) >= MAX_STEPS:  # learning rate 0 from MAX_STEPS
+            return max(stepped_from) + 3
+    return None
+
+
+def complete_parameter_rounds(peer: LocalProcess) -> list[dict]:
+    """``peer``'s parameter rounds in a group of two that averaged every value."""
+    return [
+        record
+        for record in peer.events("averaged")
+        if record["kind"] == "parameters" and record["group_size"] == 2 and record["values_kept_local"] == 0
+    ]
+
+
+def last_step_begun_before(peer: LocalProcess, moment: float) -> int:
+    """The epoch from which ``peer``'s last global step before ``moment`` (a time.time()) began; -1 before any."""
+    return max((record["epoch"] for record in peer.events("step_begun") if record["time"] <= moment), default=-1)
 
 
 def final_epoch(peer: LocalProcess) -> int:
@@ -430,7 +461,7 @@ def test_checkpoint_matches_the_peers_parameters_and_loads(collaboration):
     valid, invalid = list_checkpoints(collaboration.output / "checkpoints")
     assert not invalid and 1 <= len(valid) <= 3
     folder, manifest = valid[-1]
-    assert manifest.step >= SETTLED_STEP and manifest.peers >= 1
+    assert manifest.step >= collaboration.settled_epoch > MAX_STEPS and manifest.peers >= 1
     model = AutoModelForMaskedLM.from_pretrained(folder)
     final_a = saved_parameters(collaboration.output / "A")
     checkpoint = {name: tensor for name, tensor in model.state_dict().items() if name in final_a}
