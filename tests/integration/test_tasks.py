@@ -4,12 +4,17 @@ clm trains on the sample corpus; seq-cls and qa on BoolQ- and SQuAD-style jsonl 
 from this Python's docstrings (mlm is test_collaboration.py's). For qa the monitor starts first, the peers join
 through it, and it evaluates its checkpoints: its metrics file must carry eval_* keys on checkpoint steps only.
 Each task's metric on held-out rows must beat the untrained model's (same seed, same rows).
+
+qa's run is make test's two-peer fine-tune. Those of clm and seq-cls (about 130 s on two cores) are scenarios
+(make scenarios); make test runs each of them as one peer from the command line for two steps, its saved model
+scored by the task's evaluation.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import json
+import math
 import time
 from pathlib import Path
 
@@ -72,11 +77,12 @@ LEARNING_RATE = {
 }
 
 
-def data_flags(task: str, data: Path) -> list[str]:
+def data_flags(task: str, data: Path, pretrained_bert: bool = True) -> list[str]:
+    """The flags of ``task``'s data; seq-cls starts from PRETRAINED_BERT unless told not to."""
     if task == "clm":
         return ["--task", "clm"]
     name = "boolq" if task == "seq-cls" else "squad"
-    pretrained = ["--model_name_or_path", str(PRETRAINED_BERT)] if task == "seq-cls" else []
+    pretrained = ["--model_name_or_path", str(PRETRAINED_BERT)] if task == "seq-cls" and pretrained_bert else []
     return [
         *pretrained,
         "--task",
@@ -88,8 +94,8 @@ def data_flags(task: str, data: Path) -> list[str]:
     ]
 
 
-def dataset_args(task: str, data: Path) -> DatasetArguments:
-    flags = data_flags(task, data)
+def dataset_args(task: str, data: Path, pretrained_bert: bool = True) -> DatasetArguments:
+    flags = data_flags(task, data, pretrained_bert)
     return DatasetArguments(**{flags[i][2:]: flags[i + 1] for i in range(0, len(flags), 2)})
 
 
@@ -137,6 +143,28 @@ def rendezvous():
     dht.shutdown()
 
 
+@pytest.mark.parametrize("task", ["clm", "seq-cls"])
+def test_one_peer_trains_the_task_from_the_command_line_and_saves_a_model_of_its_head(task, task_data, tmp_path):
+    """The fast test of the scenario below: the task's data, collator, head and evaluation through run_trainer.py."""
+    flags = data_flags(task, task_data, pretrained_bert=False)  # the tiny default model: the head is what counts
+    steps = ["--target_batch_size", "32", "--per_device_train_batch_size", "16", "--max_steps", "2"]
+    peer = PeerProcess(
+        [*flags, *steps, "--experiment_prefix", f"onepeer{int(time.time())}", "--output_dir", str(tmp_path / "A")],
+        tmp_path / "A.log",
+    )
+    try:
+        assert peer.wait(timeout=120) == 0
+    finally:
+        peer.stop()
+    losses = [record["loss"] for record in peer.events("epoch")]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), losses
+    args = dataset_args(task, task_data, pretrained_bert=False)
+    trained = score(task, args, tmp_path / "A")  # loads the saved model with the task's model class
+    key, _ = METRIC[task]
+    assert key in trained and all(math.isfinite(value) for value in trained.values()), trained
+
+
+@pytest.mark.scenario
 @pytest.mark.parametrize("task", ["clm", "seq-cls"])
 def test_two_peers_fine_tune_and_the_metric_improves(task, task_data, tmp_path, rendezvous):
     args = dataset_args(task, task_data)
