@@ -29,12 +29,13 @@ demo: setup
 
 # One process: unit tests that time real hivemind averagers (matchmaking, late groupmates) failed when a second
 # pytest process shared the two cores (pytest-xdist, -n 2), so every test runs alone. The slowest tests are listed
-# at the end: make test should take 15 minutes or less with its set-up. The scenarios in network namespaces (a
-# partition, a firewalled peer, a slow newcomer's link) run in make scenarios; each has a fast test here.
+# at the end: make test should take 15 minutes or less with its set-up. The scenarios that take minutes (peers in
+# network namespaces, a liar in a swarm, fine-tunes until their metric moves) run in make scenarios; each has a fast
+# test here.
 test: setup browser
 	$(PY) -m pytest -q -p no:cacheprovider -m "not scenario" --durations=25
 
-# Peers in network namespaces on shaped or cut links: root and `ip netns` (skipped with the reason otherwise).
+# Those in network namespaces on shaped or cut links need root and `ip netns` (skipped with the reason otherwise).
 scenarios: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m scenario --durations=0
 
@@ -50,7 +51,7 @@ test-unit: setup
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
-# Figures, after the scenarios (about 4 minutes): about 22 minutes on 2 cores plus well over an hour for the
+# Figures, after the scenarios (about 7 minutes): about 22 minutes on 2 cores plus well over an hour for the
 # emulated WAN, whose alone runs per variant are long at H 50 (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md;
 # python -m bench --quick: a short smoke run; python -m bench --only PART: one part). Needs root for the network
 # namespaces of the shaped-link and wan parts; without them those parts are reported as skipped. The swarm

@@ -7,6 +7,10 @@ B are compared after a complete parameter round of the two at learning rate 0, f
 part they need not agree: C's own finite values still enter the part of each round that C reduces (the limit
 collab/averagers.py states), and C, refused by the others, drifts. With hivemind's plain averagers this test fails:
 A's and B's Lamb steps turn the inf gradients into NaN parameters and their callbacks roll back.
+
+A scenario (about 55 s on two cores: make scenarios). make test's fast tests of the same refusal run real averagers
+in one process: tests/unit/test_averagers.py (a liar's inf dropped in both directions of a round, and a plain
+hivemind averager's inf refused by ours).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pytest
 from tests.integration.agreement import assert_finite, assert_parameters_agree, evened_out, saved_parameters
 from trainer.local import LocalProcess, PeerProcess, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(600)]
 
 # The learning rate decays to 0 at LR_ZERO_EPOCH (--total_steps); A and B are stopped once both have averaged their
 # parameters together after it and after C left (a round every 2nd epoch), so nothing moves them apart again.
