@@ -30,8 +30,8 @@ demo: setup
 # One process: unit tests that time real hivemind averagers (matchmaking, late groupmates) failed when a second
 # pytest process shared the two cores (pytest-xdist, -n 2), so every test runs alone. The slowest tests are listed
 # at the end: make test should take 15 minutes or less with its set-up. The scenarios that take minutes (peers in
-# network namespaces, a liar in a swarm, fine-tunes until their metric moves) run in make scenarios; each has a fast
-# test here.
+# network namespaces, a liar in a swarm, a drifted peer, fine-tunes until their metric moves) run in make scenarios;
+# each has a fast test here.
 test: setup browser
 	$(PY) -m pytest -q -p no:cacheprovider -m "not scenario" --durations=25
 

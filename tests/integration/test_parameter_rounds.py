@@ -3,6 +3,9 @@ leaves behind) agrees with them again after the next parameter round (``--averag
 
 Peers apply the same averaged gradients, so nothing but a parameter round brings a drifted peer back: with parameter
 rounds turned off (``--average_state_every 1000``) this test fails, A's LayerNorm weight stays DRIFT away from B's.
+
+A scenario (about 40 s on two cores: make scenarios). make test's fast tests: two state averagers apart agree after
+one round (tests/unit/test_state_download.py), and the rounds come every second epoch (tests/unit/test_lowcomm.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tests.faults import DRIFT
 from tests.integration.agreement import assert_parameters_agree, evened_out, saved_parameters
 from trainer.local import PeerProcess, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(600)]
 
 DRIFT_EPOCH = 3
 # The learning rate decays to 0 at LR_ZERO_EPOCH (--total_steps), two parameter rounds after the drift, so that one

@@ -213,6 +213,26 @@ def average_parameters_once(averagers: list[TrainingStateAverager]) -> None:
             done.result(timeout=60)
 
 
+def test_peers_whose_parameters_drifted_apart_agree_after_one_parameter_round():
+    """Two peers whose parameters are 1.0 apart (what missed gradient rounds leave) both hold their mean after one
+    parameter round. Make test's fast test of tests/integration/test_parameter_rounds.py, a scenario, with the
+    round's schedule (tests/unit/test_lowcomm.py)."""
+    options = dict(target_group_size=2, min_matchmaking_time=1.0)
+    with two_dhts() as (first, second):
+        averagers = [
+            make_averager(FiniteTrainingStateAverager, dht, fill, **options)
+            for dht, fill in ((first, 1.0), (second, 0.0))
+        ]
+        try:
+            average_parameters_once(averagers)
+            for averager in averagers:
+                for param in averager.main_parameters:
+                    assert torch.equal(param, torch.full_like(param, 0.5)), "the peers do not hold their mean"
+        finally:
+            for averager in averagers:
+                averager.shutdown()
+
+
 def test_a_catching_up_peer_takes_the_groups_parameters_and_adds_none_of_its_own():
     """A peer whose state is old (``holds_swarm_state`` False, as ``BoundedLoadOptimizer`` sets it) averages with
     weight 0: it ends with the other's parameters (1.0) and the other keeps its own; with every peer of the group
