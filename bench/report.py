@@ -345,14 +345,25 @@ def wan_section(wan: dict) -> str:
     if missing:
         lines.append(f"Not available in this run (no `--local_steps` in run_trainer.py): {', '.join(missing)}.")
     if loss:
-        lines.append(
-            f"Held-out loss after equal global batches ({loss['lowcomm']['samples']} and {loss['sync']['samples']} "
-            f"samples per peer, real compute, fast links, {loss.get('common', 'default flags')}): low-communication "
-            f"({loss['variant']}) "
-            f"{', '.join(_f(x, 4) for x in loss['lowcomm']['losses'])}, synchronous "
-            f"{', '.join(_f(x, 4) for x in loss['sync']['losses'])}; ratio **{_f(loss['ratio'], 4)}**."
-        )
+        lines.append(_wan_loss_line(loss))
     return "\n\n".join(lines)
+
+
+def _wan_loss_line(loss: dict) -> str:
+    """The loss runs' sentence: both modes at equal samples (the ratio), then the synchronous final models."""
+    sync, lowcomm = loss["sync"], loss["lowcomm"]
+    equal = sync.get("equal_samples") or {}
+    return (
+        f"Held-out loss at equal samples (real compute, fast links, {loss.get('common', 'default flags')}): "
+        f"low-communication ({loss['variant']}) {', '.join(_f(x, 4) for x in lowcomm['losses'])} after "
+        f"{equal.get('lowcomm_swarm_samples', sum(lowcomm['samples']))} samples in all ({lowcomm['samples']} per "
+        f"peer); synchronous {', '.join(_f(x, 4) for x in equal.get('losses', [])) or 'none'}, its peers' models as "
+        f"epoch {equal.get('snapshot_epoch')} began, one after epoch {equal.get('epoch')}, the first the swarm had "
+        f"fed {equal.get('swarm_samples')} samples or more; ratio **{_f(loss['ratio'], 4)}**. After the same global "
+        f"batches the synchronous peers had processed "
+        f"{sync['samples']} samples (micro-batches in flight at an epoch's end count toward it) and hold "
+        f"{', '.join(_f(x, 4) for x in sync['losses'])}: ratio {_f(loss.get('ratio_equal_batches'), 4)}."
+    )
 
 
 METHOD = """\

@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench.formulas import MBIT, allreduce_bytes_per_peer, mean, ratio, rounded
+from bench.probe import SNAPSHOT_FLAG, snapshots_dir
 from bench.procs import (
     ONE_THREAD,
     Child,
@@ -331,6 +333,7 @@ def run_swarm(
         "parameter_rounds": [round_counts(path, start, end, "averaged", parameters=True) for path in events],
         "exit_codes": codes,
         "models": outputs,
+        "steps_files": steps,
     }
 
 
@@ -343,7 +346,7 @@ def traffic_bits(run: dict, params: int, per_epoch: bool) -> float | None:
 
 
 def _public(run: dict) -> dict:
-    return {key: value for key, value in run.items() if key != "models"}
+    return {key: value for key, value in run.items() if key not in ("models", "steps_files")}
 
 
 def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
@@ -406,11 +409,36 @@ def outer_rounds_for(samples: int, local_steps: int, target_batch_size: int) -> 
     return max(1, math.ceil(samples / round_target_samples(local_steps, target_batch_size)))
 
 
-def loss_after_equal_batches(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict | None:
-    """Real compute on fast links: the synchronous mode and ``plan.loss_variant`` each train the default model for
-    the same global batches, at least ``loss_steps_per_peer`` micro-batches of 16 per peer (``outer_rounds_for``);
-    the held-out loss of each saved model, and the samples each peer processed (a synchronous epoch also counts the
-    micro-batches in flight when its target is reached). None where ``run_trainer.py`` has no low-communication
+# A synchronous epoch counts the micro-batches in flight when its target is reached: at most one per peer, 3 x 16
+# over 256 with the loss runs' peers. The snapshots cover epochs back to where 30 % more would put equal samples.
+MAX_EPOCH_OVERSHOOT = 1.3
+
+
+def epoch_reaching(peers_steps: Sequence[Sequence[Sequence[float]]], samples: float) -> tuple[int, int] | None:
+    """The first global epoch E whose model the swarm had fed ``samples`` or more, with the count: the samples of
+    every step recorded before E (``bench.probe``'s ``[time, samples, epoch after the step]`` of each peer; the
+    micro-batch that completes an epoch is recorded with the next, an error of one micro-batch a peer). None where
+    the swarm never did."""
+    by_epoch: dict[int, float] = {}
+    for steps in peers_steps:
+        for _, count, epoch in steps:
+            by_epoch[int(epoch)] = by_epoch.get(int(epoch), 0) + count
+    fed = 0
+    for epoch in sorted(by_epoch):
+        if fed >= samples:
+            return epoch, int(fed)
+        fed += by_epoch[epoch]
+    return None
+
+
+def loss_at_equal_samples(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict | None:
+    """Real compute on fast links: ``plan.loss_variant`` trains the default model for at least
+    ``loss_steps_per_peer`` micro-batches of 16 per peer (whole outer rounds: ``outer_rounds_for``), then the
+    synchronous mode for as many global batches. A synchronous epoch also counts the micro-batches in flight when its
+    target is reached, so its peers process more samples in as many global batches: each synchronous peer saves its
+    model at each epoch near the one at which the swarm had processed what the low-communication swarm did
+    (``bench.probe --snapshot_epochs``), and the ratio compares the held-out losses at that epoch (equal samples);
+    ``ratio_equal_batches`` compares the final models. None where ``run_trainer.py`` has no low-communication
     mode."""
     from bench.training import held_out_loss
 
@@ -421,24 +449,59 @@ def loss_after_equal_batches(plan: Plan, log_dir: Path, progress: Callable[[str]
     rounds = outer_rounds_for(plan.loss_steps_per_peer * plan.peers * 16, local_steps, plan.target_batch_size)
     losses = {}
     with hub_network(plan.peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wanls", subnet="10.78.2") as network:
-        for mode, flags, epochs in (("sync", [], rounds * local_steps), ("lowcomm", list(plan.loss_variant), rounds)):
-            run = run_swarm(
-                network, f"loss_{mode}", [*common, *flags], log_dir, 0, stop_at_epoch=epochs, timeout=LOSS_RUN_S
-            )
-            # a peer whose clean shutdown ran past its deadline saved no model
-            saved = [folder for folder in run["models"] if (Path(folder) / "config.json").exists()]
-            losses[mode] = {
-                "samples": run["samples"],
-                "exit_codes": run["exit_codes"],
-                "losses": [held_out_loss(folder) for folder in saved],
-            }
-            progress(f"wan: loss, {mode}")
+        lowcomm = run_swarm(
+            network,
+            "loss_lowcomm",
+            [*common, *plan.loss_variant],
+            log_dir,
+            0,
+            stop_at_epoch=rounds,
+            timeout=LOSS_RUN_S,
+        )
+        losses["lowcomm"] = saved_losses(lowcomm, held_out_loss)
+        progress("wan: loss, lowcomm")
+        equal = sum(lowcomm["samples"])
+        epochs = rounds * local_steps
+        first = max(1, math.floor(equal / (plan.target_batch_size * MAX_EPOCH_OVERSHOOT)))
+        sync = run_swarm(
+            network,
+            "loss_sync",
+            [*common, SNAPSHOT_FLAG, f"{first}:{epochs}"],
+            log_dir,
+            0,
+            stop_at_epoch=epochs,
+            timeout=LOSS_RUN_S,
+        )
+        losses["sync"] = saved_losses(sync, held_out_loss)
+        reached = epoch_reaching([read_json_lines(path) for path in sync["steps_files"]], equal)
+        # the snapshot of the next epoch holds every update of the one reached (a delayed step lands late)
+        picked = None if reached is None else min(reached[0] + 1, epochs)
+        snapshots = [] if picked is None else [snapshots_dir(model) / str(picked) for model in sync["models"]]
+        losses["sync"]["equal_samples"] = {
+            "epoch": None if reached is None else reached[0],
+            "snapshot_epoch": picked,
+            "swarm_samples": None if reached is None else reached[1],
+            "lowcomm_swarm_samples": equal,
+            "losses": [held_out_loss(folder) for folder in snapshots if (folder / "config.json").exists()],
+        }
+        for model in sync["models"]:  # the other epochs' snapshots: a few hundred MB
+            shutil.rmtree(snapshots_dir(model), ignore_errors=True)
+        progress("wan: loss, sync")
+    lowcomm_loss = mean(losses["lowcomm"]["losses"])
     return {
         **losses,
-        "ratio": ratio(mean(losses["lowcomm"]["losses"]), mean(losses["sync"]["losses"])),
+        "ratio": ratio(lowcomm_loss, mean(losses["sync"]["equal_samples"]["losses"])),
+        "ratio_equal_batches": ratio(lowcomm_loss, mean(losses["sync"]["losses"])),
         "variant": " ".join(plan.loss_variant),
         "common": " ".join(common),
     }
+
+
+def saved_losses(run: dict, held_out_loss: Callable[[Path], float]) -> dict:
+    """A loss run's samples per peer, exit codes and the held-out loss of each model saved (a peer whose clean
+    shutdown ran past its deadline saved none)."""
+    saved = [folder for folder in run["models"] if (Path(folder) / "config.json").exists()]
+    return {"samples": run["samples"], "exit_codes": run["exit_codes"], "losses": [held_out_loss(f) for f in saved]}
 
 
 # H of the shadow run's low-communication mode: an outer round every 10 global batches (about 30 s of compute at
@@ -515,7 +578,7 @@ def shadow_together(runs: dict, numel: int) -> dict:
     return together
 
 
-WAYS = {"rate_scaled": rate_scaled, "shadow": shadow, "loss": loss_after_equal_batches}
+WAYS = {"rate_scaled": rate_scaled, "shadow": shadow, "loss": loss_at_equal_samples}
 
 
 def measure(

@@ -25,6 +25,7 @@ from bench.wan import (
     bits_per_param_per_step,
     comm_to_compute,
     compute_s,
+    epoch_reaching,
     outer_rounds_for,
     round_counts,
     scaled_rate_mbit,
@@ -177,21 +178,48 @@ def test_summary_takes_the_best_low_communication_variant():
     assert set(summary) == set(SUMMARY_KEYS)
 
 
-def test_the_loss_runs_give_the_loss_ratio_and_the_report_names_both_losses():
+def test_the_loss_runs_give_the_ratio_at_equal_samples_and_the_report_names_every_loss():
     from bench.report import wan_section
 
     figures = wan_figures({"H 50, 8bit": None})
     figures["loss"] = {
-        "sync": {"samples": [16000, 16000, 16000], "exit_codes": [0, 0, 0], "losses": [6.0, 6.2]},
+        "sync": {
+            "samples": [17900, 18000, 18100],
+            "exit_codes": [0, 0, 0],
+            "losses": [5.9, 6.1],
+            "equal_samples": {
+                "epoch": 188,
+                "snapshot_epoch": 189,
+                "swarm_samples": 48032,
+                "lowcomm_swarm_samples": 48000,
+                "losses": [6.0, 6.2],
+            },
+        },
         "lowcomm": {"samples": [16016, 16000, 15984], "exit_codes": [0, 0, 0], "losses": [6.1, 6.3]},
         "ratio": 1.0163,
+        "ratio_equal_batches": 1.0333,
         "variant": "--local_steps 50",
         "common": "--target_batch_size 256 --learning_rate 0.05",
     }
     assert summarize(figures)["lowcomm_loss_ratio"] == 1.0163
     text = wan_section(figures)
-    assert "fast links, --target_batch_size 256 --learning_rate 0.05): low-communication (--local_steps 50) " in text
-    assert "low-communication (--local_steps 50) 6.1000, 6.3000, synchronous 6.0000, 6.2000; ratio **1.0163**" in text
+    assert "at equal samples (real compute, fast links, --target_batch_size 256 --learning_rate 0.05)" in text
+    assert (
+        "low-communication (--local_steps 50) 6.1000, 6.3000 after 48000 samples in all ([16016, 16000, 15984] per "
+        "peer); synchronous 6.0000, 6.2000, its peers' models as epoch 189 began, one after epoch 188, the first the "
+        "swarm had fed 48032 samples or more; ratio **1.0163**"
+    ) in text
+    assert "had processed [17900, 18000, 18100] samples" in text and "hold 5.9000, 6.1000: ratio 1.0333." in text
+
+
+def test_the_epoch_reaching_a_sample_count_counts_the_steps_recorded_before_it():
+    # [time, samples, epoch after the step] of two peers; the step that completes an epoch is recorded with the next
+    first = [[0, 16, 0], [1, 16, 0], [2, 16, 1], [3, 16, 1], [4, 16, 2], [5, 16, 3]]
+    second = [[0, 16, 0], [1, 16, 1], [2, 16, 1], [3, 16, 2], [4, 16, 2]]
+    assert epoch_reaching([first, second], 48) == (1, 48)  # epoch 0's steps: 3 x 16
+    assert epoch_reaching([first, second], 49) == (2, 112)  # epochs 0 and 1: 7 x 16
+    assert epoch_reaching([first, second], 160) == (3, 160)
+    assert epoch_reaching([first, second], 177) is None  # all 11 steps: 176
 
 
 def test_report_marks_variants_not_available_and_names_each_way():
