@@ -51,7 +51,7 @@ test-unit: setup
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
-# Figures, after the scenarios (about 7 minutes): about 22 minutes on 2 cores plus well over an hour for the
+# Figures, after the scenarios (about 8 minutes): about 22 minutes on 2 cores plus well over an hour for the
 # emulated WAN, whose alone runs per variant are long at H 50 (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md;
 # python -m bench --quick: a short smoke run; python -m bench --only PART: one part). Needs root for the network
 # namespaces of the shaped-link and wan parts; without them those parts are reported as skipped. The swarm
