@@ -24,6 +24,12 @@ docs/benchmarks/2026-11-27-amd-epyc-2core-matchmaking-window.md) the declaration
 it, every lookup finds no group and no round forms. Each averager times its own DHT calls and
 declares for ``matchmaking_window`` (``MatchmakingWindow``): the configured time, or ``DHT_ROUND_TRIP_MARGIN`` times
 its recent store plus lookup time when that is longer.
+
+A group's all-reduce that starts a DHT store late on one side. hivemind withdraws a round's declaration once its
+group is assembled and waits for that DHT store before the round starts its all-reduce. Where the DHT is slow, one
+groupmate starts seconds after the other, whose ``sender_timeout`` runs out first, and both keep their own values
+for the parts they exchange. The withdrawal is stored in the background (``TimedGroupKeyManager``): stored late it
+changes nothing, since it names its declaration's expiration and a round's next declaration names a later one.
 """
 
 from __future__ import annotations
@@ -138,16 +144,26 @@ class MatchmakingWindow:
 
 class TimedGroupKeyManager(GroupKeyManager):
     """hivemind's ``GroupKeyManager`` that reports how long each declaration (a DHT store) and each lookup of the
-    declared averagers (a DHT get) took to ``on_call(kind, seconds)``."""
+    declared averagers (a DHT get) took to ``on_call(kind, seconds)``, and that withdraws a declaration in the
+    background."""
 
     def __init__(self, manager: GroupKeyManager, on_call):
         super().__init__(manager.dht, manager.prefix, manager.group_bits, manager.target_group_size)
         self.on_call = on_call
 
-    async def declare_averager(self, *args, **kwargs) -> bool:
+    async def declare_averager(
+        self, group_key: str, peer_id, expiration_time: float, looking_for_group: bool = True
+    ) -> bool:
+        declaring = self._timed_declaration(group_key, peer_id, expiration_time, looking_for_group)
+        if not looking_for_group:  # a withdrawal: the round goes on to its all-reduce (module docstring)
+            asyncio.create_task(declaring)  # held until done by the averager process's task factory
+            return True
+        return await declaring
+
+    async def _timed_declaration(self, *args) -> bool:
         started = time.monotonic()
         try:
-            return await super().declare_averager(*args, **kwargs)
+            return await super().declare_averager(*args)
         finally:
             self.on_call("store", time.monotonic() - started)
 

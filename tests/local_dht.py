@@ -11,20 +11,29 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
 
 from collab.hivemind_fixes import FixedDecentralizedAverager
 
 
 @contextlib.contextmanager
-def two_dhts(record_validators: Sequence[RecordValidatorBase] = ()) -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
-    """Two DHT nodes on 127.0.0.1, the second joined to the first; shut down afterwards."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators)
+def two_dhts(
+    record_validators: Sequence[RecordValidatorBase] = (),
+    second_validators: Sequence[RecordValidatorBase] = (),
+    **dht_kwargs,
+) -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
+    """Two DHT nodes on 127.0.0.1, the second joined to the first and given ``second_validators`` too, both built with
+    ``dht_kwargs``; shut down afterwards."""
+    first = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=record_validators, **dht_kwargs
+    )
     try:
         second = hivemind.DHT(
             start=True,
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
             initial_peers=first.get_visible_maddrs(),
-            record_validators=record_validators,
+            record_validators=[*record_validators, *second_validators],
+            **dht_kwargs,
         )
         try:
             yield first, second
@@ -38,7 +47,11 @@ STALE_TEST_MATCHMAKING = 1.0  # seconds: a triggered round still looking 2.5 s l
 
 
 def matched_averager(
-    dht: hivemind.DHT, value: float, prefix: str, averager_class: type = FixedDecentralizedAverager
+    dht: hivemind.DHT,
+    value: float,
+    prefix: str,
+    averager_class: type = FixedDecentralizedAverager,
+    next_chunk_timeout: float = 8.0,
 ) -> DecentralizedAverager:
     """An averager of 1000 values equal to ``value`` that looks for a group of two."""
     return averager_class(
@@ -48,7 +61,7 @@ def matched_averager(
         target_group_size=2,
         min_matchmaking_time=STALE_TEST_MATCHMAKING,
         request_timeout=0.5,
-        next_chunk_timeout=8.0,
+        next_chunk_timeout=next_chunk_timeout,
         start=True,
     )
 
@@ -72,4 +85,17 @@ class SlowRecords(RecordValidatorBase):
 
     def sign_value(self, record: DHTRecord) -> bytes:
         self._wait(record)
+        return record.value
+
+
+class SlowWithdrawals(SlowRecords):
+    """A DHT node that takes ``delay`` seconds to sign a withdrawal (an averager's declaration stored as no longer
+    looking for a group) under one of ``keys``, blocking its event loop meanwhile; other records pass at once."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if MSGPackSerializer.loads(record.value) is False:
+            self._wait(record)
         return record.value

@@ -6,6 +6,7 @@ slower than its matchmaking time."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 
@@ -26,7 +27,7 @@ from collab.matchmaking import (
     steps_aside,
 )
 from collab.schema import MAX_STEP
-from tests.local_dht import STALE_TEST_MATCHMAKING, SlowRecords, matched_averager, two_dhts
+from tests.local_dht import STALE_TEST_MATCHMAKING, SlowRecords, SlowWithdrawals, matched_averager, two_dhts
 from trainer.local import wait_until
 
 
@@ -235,3 +236,54 @@ def test_on_a_dht_slower_than_matchmaking_time_only_a_stretched_window_forms_a_g
                 averager.shutdown()
     assert sizes == group_sizes
     assert averaged == ([1.0, 1.0] if group_sizes[0] else [0.0, 2.0])
+
+
+# One groupmate's DHT takes this long to store its withdrawal, blocking its event loop, while the other's store to it
+# gives up after the DHTs' 1-s wait_timeout: an all-reduce that waits for the withdrawal starts 3 s or more after the
+# other's (4 to 5 s in trials on an idle machine, 3 s on a loaded one, at a 5-s withdrawal), past the averagers'
+# sender timeout (their next_chunk_timeout).
+SLOW_WITHDRAWAL = 7.0
+SENDER_TIMEOUT = 2.0
+
+
+def all_reduce_starts(controls: list[StepControl], timeout: float) -> list[float]:
+    """When each round left matchmaking for its all-reduce (``time.monotonic``), polled until all rounds are done."""
+    started: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while not all(control.done() for control in controls):
+        assert time.monotonic() < deadline, "the rounds did not end in time"
+        for index, control in enumerate(controls):
+            if index not in started and control.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
+                started[index] = time.monotonic()
+        time.sleep(0.005)
+    return [started.get(index, math.inf) for index in range(len(controls))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "averager_class", [DecentralizedAverager, FixedDecentralizedAverager], ids=["plain-hivemind", "fixed"]
+)
+def test_a_groupmate_slow_to_withdraw_its_declaration_starts_its_all_reduce_with_the_other(averager_class):
+    """hivemind withdraws a round's declaration from the DHT once its group is assembled and waits for that store
+    before the all-reduce: the groupmate whose DHT is slow starts seconds after the other, past its sender timeout,
+    and parts go unaveraged. The fixed averager withdraws in the background: both start together and average."""
+    prefix = f"slow_withdrawal_{averager_class.__name__}"
+    with (
+        entry_point_patches_applied(),
+        two_dhts(second_validators=[SlowWithdrawals([f"{prefix}.0b"], SLOW_WITHDRAWAL)], wait_timeout=1.0) as dhts,
+    ):
+        pair = [
+            matched_averager(dht, value, prefix, averager_class, next_chunk_timeout=SENDER_TIMEOUT)
+            for dht, value in zip(dhts, (0.0, 2.0), strict=True)
+        ]
+        try:
+            controls = [averager.step(wait=False, timeout=20, allow_retries=False) for averager in pair]
+            fast, slow = all_reduce_starts(controls, 35)
+            averaged = [values(averager) for averager in pair]
+        finally:
+            for averager in pair:
+                averager.shutdown()
+    if averager_class is DecentralizedAverager:
+        assert slow - fast > SENDER_TIMEOUT, f"plain hivemind started {slow - fast:.1f} s apart: fixed there?"
+    else:
+        assert abs(slow - fast) < 1.5 and averaged == [1.0, 1.0]
