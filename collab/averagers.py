@@ -70,12 +70,13 @@ from collab.hivemind_fixes import (
     honest_progress_epoch,
     progress_key,
 )
-from collab.matchmaking import WINDOW_LOG_STEP
+from collab.matchmaking import WINDOW_LOG_STEP, gathered_part_timeout
 from collab.timeouts import (
     CHUNKS_PER_ROUND_TIMEOUT,
     MAX_NEXT_CHUNK_TIMEOUT,
     PART_TIMEOUT_MEMORY,
     download_backoff,
+    group_part_timeout,
     part_timeout,
     part_timeout_need,
 )
@@ -186,6 +187,17 @@ class FiniteAveragingMixin:
     # state older than the swarm's (``BoundedLoadOptimizer``). None: always a full member.
     holds_swarm_state = None
 
+    def __init__(self, *args, **kwargs):
+        # The sender timeout this averager's process sized after its last round (0: none yet), shared with the
+        # process that calls step(), which gathers it with each round (``current_part_timeout``).
+        self._sized_part_timeout = mp.Value(ctypes.c_double, 0.0)  # before hivemind starts the averager's process
+        super().__init__(*args, **kwargs)
+
+    def current_part_timeout(self) -> float | None:
+        """The sender timeout this averager would use in its next round (None: no ``next_chunk_timeout``)."""
+        sized = self._sized_part_timeout.value
+        return sized if sized > 0 else self.allreduce_kwargs.get("sender_timeout")
+
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
         """hivemind's RPC names (``{namespace}::GradientAverager.rpc_...``), not the subclass's: peers and monitors
@@ -200,6 +212,10 @@ class FiniteAveragingMixin:
         catching_up = self.holds_swarm_state is not None and not self.holds_swarm_state.value
         if catching_up:
             kwargs["weight"] = 0.0
+        if kwargs.get("sender_timeout") is not None:
+            gathered = map(gathered_part_timeout, group_info.gathered)
+            seconds = group_part_timeout(kwargs["sender_timeout"], gathered, self._part_timeout_sizer().cap)
+            kwargs.update(sender_timeout=seconds, reducer_timeout=2 * seconds)
         group_id = group_info.group_id if group_id is None else group_id
         runner = FiniteAllReduceRunner(
             round_kind=self.round_kind,
@@ -233,17 +249,23 @@ class FiniteAveragingMixin:
         """The next rounds' sender and reducer timeouts, sized by this round's late starts (``PartTimeout``); hivemind
         reads them from ``allreduce_kwargs`` at each round, and so does the wait for a group that has not registered
         yet (``collab.hivemind_fixes``)."""
-        configured = self.allreduce_kwargs.get("sender_timeout")
-        if configured is None:
+        if self.allreduce_kwargs.get("sender_timeout") is None:
             return  # no next_chunk_timeout: hivemind waits without a timeout
+        sizer = self._part_timeout_sizer()
+        seconds = sizer.observe(runner.latest_start(), runner.dropped_a_groupmate(), runner.sender_timeout)
+        self.allreduce_kwargs.update(sender_timeout=seconds, reducer_timeout=2 * seconds)
+        self._sized_part_timeout.value = seconds
+
+    def _part_timeout_sizer(self) -> PartTimeout:
+        """This averager's ``PartTimeout``, made at its first round from the configured sender timeout."""
         sizer = self.__dict__.get("_part_timeout")
         if sizer is None:
+            configured = self.allreduce_kwargs["sender_timeout"]
             round_time = self._allreduce_timeout or MAX_NEXT_CHUNK_TIMEOUT * CHUNKS_PER_ROUND_TIMEOUT
             sizer = self.__dict__["_part_timeout"] = PartTimeout(
                 configured, max(configured, round_time / CHUNKS_PER_ROUND_TIMEOUT), self.round_kind
             )
-        seconds = sizer.observe(runner.latest_start(), runner.dropped_a_groupmate())
-        self.allreduce_kwargs.update(sender_timeout=seconds, reducer_timeout=2 * seconds)
+        return sizer
 
 
 class PartTimeout:
@@ -255,9 +277,10 @@ class PartTimeout:
         self.needs: deque[float] = deque(maxlen=PART_TIMEOUT_MEMORY)
         self.seconds = self.logged = configured
 
-    def observe(self, latest_start: float, dropped: bool) -> float:
-        """One round's latest start of a groupmate's part and whether it dropped one; returns the next timeout."""
-        self.needs.append(part_timeout_need(latest_start, dropped, self.seconds))
+    def observe(self, latest_start: float, dropped: bool, used: float) -> float:
+        """One round's latest start of a groupmate's part, whether it dropped one and the timeout it ``used`` (its
+        group's, ``group_part_timeout``); returns this averager's next timeout."""
+        self.needs.append(part_timeout_need(latest_start, dropped, used))
         self.seconds = part_timeout(self.configured, self.needs, self.cap)
         if not self.logged / WINDOW_LOG_STEP < self.seconds < self.logged * WINDOW_LOG_STEP:
             self.logged = self.seconds

@@ -434,9 +434,10 @@ def averager_step_marking_stale_time(self, gather=None, *args, **kwargs):
     its round's epoch (``collab.matchmaking``). A round of a known epoch is watched by the swarm's epoch when the
     averager has a ``tracked_swarm_epoch`` source."""
     epoch, round_epoch = None, getattr(self, "round_epoch", None)
-    if gather is None and round_epoch is not None:
-        epoch = round_epoch()
-        gather = round_gather(epoch)
+    part_timeout = getattr(self, "current_part_timeout", None)
+    if gather is None and (round_epoch is not None or part_timeout is not None):
+        epoch = None if round_epoch is None else round_epoch()
+        gather = round_gather(epoch, None if part_timeout is None else part_timeout())
     elif type(gather) is int:  # hivemind's parameter rounds gather the epoch their step begins, after the one averaged
         epoch = gather - 1
     result = _original_averager_step(self, gather, *args, **kwargs)

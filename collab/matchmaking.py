@@ -35,6 +35,7 @@ changes nothing, since it names its declaration's expiration and a round's next 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -55,11 +56,30 @@ from collab.schema import MAX_STEP
 logger = get_logger(__name__)
 
 ROUND_EPOCH = "round_epoch"  # the key of a round's epoch in the data its peer gathers
+PART_TIMEOUT = "part_timeout"  # the key of the sender timeout its peer would use (``collab.timeouts.part_timeout``)
 
 
-def round_gather(epoch: int) -> dict:
-    """The data a peer gathers with its round of ``epoch`` (``DecentralizedAverager.step(gather=...)``)."""
-    return {ROUND_EPOCH: int(epoch)}
+def round_gather(epoch: int | None, part_timeout: float | None = None) -> dict:
+    """The data a peer gathers with its round (``DecentralizedAverager.step(gather=...)``): the round's ``epoch``
+    and this peer's ``part_timeout``, each where known."""
+    gather: dict = {} if epoch is None else {ROUND_EPOCH: int(epoch)}
+    if part_timeout is not None:
+        gather[PART_TIMEOUT] = float(part_timeout)
+    return gather
+
+
+def gathered_part_timeout(data_for_gather: bytes) -> float | None:
+    """The sender timeout a groupmate gathered with its round, or None where it names none or not a positive finite
+    number of seconds (the bytes come from another peer; ``group_part_timeout`` caps what it may ask)."""
+    try:
+        _bandwidth, _mode, user_data = MSGPackSerializer.loads(data_for_gather)
+        gathered = MSGPackSerializer.loads(user_data)
+    except Exception:  # any decoding error: the bytes come from another peer
+        return None
+    seconds = gathered.get(PART_TIMEOUT) if isinstance(gathered, dict) else None
+    if type(seconds) not in (int, float) or not 0 < seconds < math.inf:
+        return None
+    return float(seconds)
 
 
 def gathered_round_epoch(data_for_gather: bytes) -> int | None:

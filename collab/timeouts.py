@@ -20,7 +20,8 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
   notice the epoch's end later (a slower step, a slower DHT) start later. A groupmate that starts after the sender
   timeout is dropped from the round and its values stay unaveraged. Each averager lengthens its sender timeout
   (``next_chunk_timeout``, the reducers' twice that) to ``LATE_START_MARGIN`` times the latest start of its recent
-  rounds, twice over after a round that dropped a groupmate (``part_timeout``), within the round's time.
+  rounds, twice over after a round that dropped a groupmate (``part_timeout``), within the round's time; a round's
+  group takes the longest of its members' (``group_part_timeout``), which each gathers at matchmaking.
 - A shutdown: the last background round (``shutdown_averaging_wait``), hivemind's and the DHT's shutdown, then the
   model written at ``DISK_BYTES_PER_SECOND`` (``shutdown_deadline``, after which the watchdog forces the exit).
 - The other ranks of a torchrun peer: they wait for rank 0 through its longest step (``rank_wait_timeout``).
@@ -28,7 +29,7 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
@@ -194,6 +195,14 @@ def part_timeout(configured: float, needs: Sequence[float], cap: float) -> float
     """The sender timeout for the next round: the configured one (``next_chunk_timeout``), or the most that the
     recent rounds called for (``part_timeout_need``) when longer, at most ``cap``."""
     return min(cap, max([configured, *needs]))
+
+
+def group_part_timeout(own: float, groupmates: Iterable[float | None], cap: float) -> float:
+    """The sender timeout of one round for its whole group: the longest that a member gathered (``own`` among them;
+    None: a member that named none), at most ``cap``. Every member computes the same from the same gathered data, so
+    the member that has seen the latest starts sizes the round for all, and none drops a part that another waits for.
+    """
+    return min(cap, max([own, *(seconds for seconds in groupmates if seconds is not None)]))
 
 
 def download_backoff(tries_done: int) -> float:

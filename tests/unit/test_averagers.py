@@ -275,3 +275,38 @@ def test_a_groupmate_starting_later_than_the_part_timeout_is_averaged_with_once_
                 averager.shutdown()
     assert complete[0] == [False, False], "the late groupmate was not dropped: the test shows nothing"
     assert complete[2:] == [[True, True]] * 2, complete
+
+
+@pytest.mark.timeout(120)
+def test_a_round_waits_as_long_as_the_groupmate_that_asks_most(tmp_path):
+    """A's part timeout is 1 s and B starts its part 2.5 s after A: on its own A would drop B (the test above). B's
+    timeout is 6 s, and both gather theirs at matchmaking: the round takes the longer for both, so its first round
+    already averages every value."""
+    late = 2.5
+    options = dict(
+        prefix="group_timeout", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True
+    )
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        pair = [
+            FiniteAverager([torch.zeros(1000)], dht=dht, next_chunk_timeout=seconds, **options)
+            for dht, seconds in zip(dhts, (1.0, 6.0), strict=True)
+        ]
+        try:
+            for averager, value in zip(pair, (0.0, 2.0), strict=True):
+                fill(averager, value)
+            controls = [
+                averager.step(require_trigger=True, wait=False, timeout=30, allow_retries=False) for averager in pair
+            ]
+            wait_until(
+                lambda: all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls),
+                20,
+                "a group matched in advance",
+            )
+            controls[0].allow_allreduce()
+            time.sleep(late)
+            controls[1].allow_allreduce()
+            wait_until(lambda: all(control.done() for control in controls), 30, "both rounds to end")
+            assert [averaged_completely(averager) for averager in pair] == [True, True]
+        finally:
+            for averager in pair:
+                averager.shutdown()

@@ -20,6 +20,7 @@ from hivemind.utils.mpfuture import MPFuture
 from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager, entry_point_patches_applied
 from collab.matchmaking import (
     MatchmakingWindow,
+    gathered_part_timeout,
     gathered_round_epoch,
     matchmaking_window,
     round_gather,
@@ -58,6 +59,20 @@ def test_the_gathered_epoch_is_read_as_sent_and_anything_else_is_refused():
     for garbage in (b"", b"\xc1", MSGPackSerializer.dumps([1.0, 0]), MSGPackSerializer.dumps([1.0, 0, b"\xc1"])):
         with pytest.raises(ValueError, match="unreadable"):
             gathered_round_epoch(garbage)
+
+
+def test_a_groupmates_part_timeout_is_read_when_it_is_a_positive_finite_number():
+    assert gathered_part_timeout(as_sent(round_gather(7, 12.5))) == 12.5
+    assert gathered_round_epoch(as_sent(round_gather(7, 12.5))) == 7  # both travel together
+    assert gathered_part_timeout(as_sent(round_gather(None, 3))) == 3.0
+    assert gathered_round_epoch(as_sent(round_gather(None, 3))) is None
+    assert gathered_part_timeout(as_sent(round_gather(7))) is None  # an older peer, or no next_chunk_timeout
+    assert gathered_part_timeout(as_sent(None)) is None  # plain hivemind
+    assert gathered_part_timeout(as_sent(8)) is None  # parameter rounds gather their epoch
+    for seconds in (0, -1.0, float("inf"), float("nan"), "12", True, None, [12.0]):
+        assert gathered_part_timeout(as_sent({"part_timeout": seconds})) is None, seconds
+    for garbage in (b"", b"\xc1", MSGPackSerializer.dumps([1.0, 0]), MSGPackSerializer.dumps([1.0, 0, b"\xc1"])):
+        assert gathered_part_timeout(garbage) is None
 
 
 def test_rounds_meet_when_their_epochs_match_or_one_names_none():

@@ -24,6 +24,7 @@ from collab.timeouts import (
     derive_timeouts,
     download_backoff,
     estimate_transfers,
+    group_part_timeout,
     part_timeout,
     part_timeout_need,
     rank_wait_timeout,
@@ -121,6 +122,13 @@ def test_the_part_timeout_outlasts_the_latest_groupmate_of_recent_rounds_within_
     assert part_timeout(5.4, [0.2, 1.0], cap=24.0) == 5.4  # on time: the configured timeout
     assert part_timeout(5.4, [0.2, 10.8, 8.0], cap=24.0) == 10.8  # the most a remembered round called for
     assert part_timeout(5.4, [43.2], cap=24.0) == 24.0  # within the round's time
+
+
+def test_a_round_waits_as_long_as_its_most_patient_member_within_the_cap():
+    assert group_part_timeout(3.0, [None, None], cap=24.0) == 3.0  # groupmates that named none: its own
+    assert group_part_timeout(3.0, [12.0, None, 5.0], cap=24.0) == 12.0
+    assert group_part_timeout(12.0, [3.0], cap=24.0) == 12.0  # a shorter groupmate does not shorten it
+    assert group_part_timeout(3.0, [1e9], cap=24.0) == 24.0  # a groupmate cannot stall the round past the cap
 
 
 def test_state_downloads_back_off_exponentially_up_to_30_s():
