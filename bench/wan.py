@@ -401,6 +401,7 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
 
 
 LOSS_RUN_S = 3600.0  # at most, each loss run
+MAX_LOSS_LOCAL_STEPS = 1000  # H of the loss run: a round of 1000 x 256 samples already outlasts the run's samples
 
 
 def outer_rounds_for(samples: int, local_steps: int, target_batch_size: int) -> int:
@@ -630,8 +631,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--shadow_seconds", type=float, default=None, help="measured window of each shadow run (120; quick 30)"
     )
+    parser.add_argument(
+        "--loss_local_steps",
+        type=int,
+        default=None,
+        help=f"H of the loss way's low-communication run, 1 to {MAX_LOSS_LOCAL_STEPS} (50; quick 5); the run keeps "
+        "its samples, in as many more rounds",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.loss_local_steps is not None:
+        if not 1 <= args.loss_local_steps <= MAX_LOSS_LOCAL_STEPS:
+            parser.error(f"--loss_local_steps: must be 1 to {MAX_LOSS_LOCAL_STEPS} (got {args.loss_local_steps})")
+        plan = dataclasses.replace(plan, loss_variant=tuple(lowcomm_flags(args.loss_local_steps, "8bit")))
     if args.shadow_modes:
         plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))
     if args.shadow_seconds is not None:

@@ -295,6 +295,16 @@ def test_shadow_peer_refuses_a_bad_flag_in_one_line_and_writes_nothing(tmp_path)
     assert not steps.exists()
 
 
+def test_the_loss_runs_h_out_of_bounds_is_refused_in_one_line_before_anything_runs(tmp_path):
+    for bad in ("0", "1001"):
+        command = [sys.executable, "-m", "bench.wan", "--ways", "loss", "--log_dir", str(tmp_path / "logs")]
+        result = subprocess.run([*command, "--loss_local_steps", bad], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1].startswith("python -m bench.wan: error:") and "--loss_local_steps" in lines[-1], lines
+        assert not (tmp_path / "logs").exists()
+
+
 def test_the_shadow_inner_step_moves_the_parameters_once_a_round():
     from bench.shadow import ShadowInnerStep
 
