@@ -56,6 +56,12 @@ def assert_finite(parameters: dict, peer: str) -> None:
         assert torch.isfinite(tensor).all(), f"{peer} saved non-finite values in {name}"
 
 
+def averaged_everything(record: dict, group_size: int) -> bool:
+    """Whether an ``averaged`` event's round had ``group_size`` or more peers and left nothing out: no values kept
+    local, no sender dropped (docs/EVENTS.md)."""
+    return record["group_size"] >= group_size and record["values_kept_local"] == 0 and record["senders_dropped"] == 0
+
+
 def evened_out(peer: LocalProcess, group_size: int, after_epoch: int, after_time: float = 0.0) -> bool:
     """Whether ``peer``'s latest parameter round had ``group_size`` or more peers, left nothing out (no values kept
     local, no sender dropped: docs/EVENTS.md), ended after it began epoch ``after_epoch`` and after ``after_time``
@@ -70,9 +76,7 @@ def evened_out(peer: LocalProcess, group_size: int, after_epoch: int, after_time
         return False
     latest = rounds[-1]
     return (
-        latest["group_size"] >= group_size
-        and latest["values_kept_local"] == 0
-        and latest["senders_dropped"] == 0
+        averaged_everything(latest, group_size)
         and latest["time"] > max(started[0], after_time)
         and any(at > latest["time"] for _, at in epoch_times)
     )

@@ -38,7 +38,12 @@ from collab.checkpoint import list_checkpoints
 from collab.dht import start_dht
 from collab.schema import LocalMetrics, make_validators, metrics_key, read_metrics
 from tests.conftest import RecordingServer, serve_recording
-from tests.integration.agreement import assert_parameters_agree, initial_parameters, saved_parameters
+from tests.integration.agreement import (
+    assert_parameters_agree,
+    averaged_everything,
+    initial_parameters,
+    saved_parameters,
+)
 from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -278,9 +283,10 @@ def settled_epoch(a: LocalProcess, c2: LocalProcess) -> int | None:
     later matches A's final model. A round that ended while a peer was in epoch k + 1 (its last step began from k) is
     applied by the step into k + 2; one epoch more allows for a state served while that step is being applied."""
     c2_rounds = [record["time"] for record in complete_parameter_rounds(c2)]
+    steps_begun = [peer.events("step_begun") for peer in (a, c2)]
     for record in complete_parameter_rounds(a):
         same_round_in_c2 = any(abs(time_ - record["time"]) < SAME_ROUND_SECONDS for time_ in c2_rounds)
-        stepped_from = [last_step_begun_before(peer, record["time"]) for peer in (a, c2)]
+        stepped_from = [last_step_begun_before(steps, record["time"]) for steps in steps_begun]
         if same_round_in_c2 and min(stepped_from) >= MAX_STEPS:  # learning rate 0 from MAX_STEPS
             return max(stepped_from) + 3
     return None
@@ -291,13 +297,14 @@ def complete_parameter_rounds(peer: LocalProcess) -> list[dict]:
     return [
         record
         for record in peer.events("averaged")
-        if record["kind"] == "parameters" and record["group_size"] == 2 and record["values_kept_local"] == 0
+        if record["kind"] == "parameters" and record["group_size"] == 2 and averaged_everything(record, 2)
     ]
 
 
-def last_step_begun_before(peer: LocalProcess, moment: float) -> int:
-    """The epoch from which ``peer``'s last global step before ``moment`` (a time.time()) began; -1 before any."""
-    return max((record["epoch"] for record in peer.events("step_begun") if record["time"] <= moment), default=-1)
+def last_step_begun_before(steps_begun: list[dict], moment: float) -> int:
+    """The epoch from which the last of a peer's ``step_begun`` events before ``moment`` (a time.time()) began; -1
+    before any."""
+    return max((record["epoch"] for record in steps_begun if record["time"] <= moment), default=-1)
 
 
 def final_epoch(peer: LocalProcess) -> int:
