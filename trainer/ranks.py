@@ -28,6 +28,7 @@ import datetime
 import hashlib
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RANKS = 1024  # torchrun's --nproc_per_node on one machine; a larger WORLD_SIZE is not a machine's devices
 BUCKET_ELEMENTS = 1 << 24  # values per collective (64 MiB of fp32): bounds the extra memory of flattening
+GLOO_RELEASE_SECONDS = 1.0  # the longest wait for gloo's worker thread to let go of a finished collective's tensor
 
 
 @dataclass(frozen=True)
@@ -179,9 +181,25 @@ def flat_collective_(tensors: Sequence[torch.Tensor], collective: Callable[[torc
     """Run ``collective`` in place on the values of ``tensors``, one flat buffer per bucket, and copy them back."""
     for run in buckets(tensors):
         flat = torch.cat([tensor.reshape(-1) for tensor in run])
-        collective(flat)
+        run_to_release(collective, flat)
         for tensor, values in zip(run, flat.split([tensor.numel() for tensor in run]), strict=True):
             tensor.copy_(values.view_as(tensor))
+
+
+def run_to_release(collective: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> None:
+    """``collective(tensor)``, returned from only once the backend holds no reference to ``tensor``.
+
+    gloo (CPU tensors) marks a collective done before its worker thread drops the tensor, and dropping it takes the
+    GIL: a rank that exits in between (its last step's broadcast) dies of SIGABRT in interpreter shutdown
+    ("terminate called without an active exception") after a clean run. NCCL's threads stop at
+    ``destroy_process_group``."""
+    held = tensor._use_count()
+    collective(tensor)
+    if tensor.device.type != "cpu":
+        return
+    deadline = time.monotonic() + GLOO_RELEASE_SECONDS
+    while tensor._use_count() > held and time.monotonic() < deadline:
+        time.sleep(0.0005)  # lets the worker thread take the GIL
 
 
 def parameters_checksum(model: torch.nn.Module) -> str:
@@ -317,7 +335,7 @@ class ShardedRankSync(RankSync):
             self.whole = {id(shard): param for shard, param in zip(self.shards, whole, strict=True)}
 
     def _send_start(self, control: torch.Tensor) -> None:
-        dist.broadcast(control, src=0)
+        run_to_release(_broadcast_from_rank_0, control)
 
     @torch.no_grad()
     def _receive_parameters(self) -> None:
@@ -328,7 +346,7 @@ class ShardedRankSync(RankSync):
             flat = torch.empty(sum(shard.numel() for shard in run), dtype=run[0].dtype, device=self.device)
             if rank == 0:
                 flat.copy_(torch.cat([self.whole[id(shard)].detach().reshape(-1) for shard in run]))
-            dist.broadcast(flat, src=0)
+            run_to_release(_broadcast_from_rank_0, flat)
             for shard, values in zip(run, flat.split([shard.numel() for shard in run]), strict=True):
                 chunks = values.view(shard.shape).chunk(world_size, dim=0)
                 if rank < len(chunks):  # a tensor of fewer rows than ranks leaves the last ranks an empty shard
@@ -358,5 +376,5 @@ class ShardedRankSync(RankSync):
                 param.grad.copy_(gradient)
         self.model.zero_grad(set_to_none=True)
         loss_tensor = torch.tensor([loss], dtype=torch.float32, device=self.device)
-        dist.all_reduce(loss_tensor)
+        run_to_release(dist.all_reduce, loss_tensor)
         return loss_tensor.item() / self.ranks.world_size

@@ -7,6 +7,9 @@ import copy
 import json
 import multiprocessing
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 from collab.errors import SetupError
 from collab.events import read_events
 from trainer.local import free_port
-from trainer.ranks import ALONE, Ranks, buckets, rank_events_path, ranks_from_env
+from trainer.ranks import ALONE, GLOO_RELEASE_SECONDS, Ranks, buckets, rank_events_path, ranks_from_env, run_to_release
 
 TORCHRUN_ENV = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
 
@@ -58,6 +61,37 @@ def test_buckets_keep_order_by_dtype_and_cap_their_size():
         [5],
     ]
     assert [[t.numel() for t in run] for run in buckets([torch.zeros(10), a], max_elements=7)] == [[10], [3]]
+
+
+def holding_collective(release: threading.Event) -> Callable[[torch.Tensor], None]:
+    """A collective that returns at once while a worker thread keeps the tensor until ``release``, as gloo's does
+    (through a view: a reference of torch's own, as a gloo work's, which a Python reference is not)."""
+
+    def hold(view: torch.Tensor) -> None:
+        release.wait()
+        del view
+
+    def collective(tensor: torch.Tensor) -> None:
+        threading.Thread(target=hold, args=(tensor.view(-1),), daemon=True).start()
+
+    return collective
+
+
+def test_a_collective_returns_only_once_its_worker_thread_let_go_of_the_tensor():
+    tensor, release = torch.zeros(3), threading.Event()
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    run_to_release(holding_collective(release), tensor)
+    assert 0.3 <= time.monotonic() - started < GLOO_RELEASE_SECONDS
+    assert tensor._use_count() == 1  # the thread's reference is gone: nothing left to free at interpreter exit
+
+
+def test_a_reference_never_let_go_delays_the_rank_a_bounded_time():
+    tensor, release = torch.zeros(3), threading.Event()
+    started = time.monotonic()
+    run_to_release(holding_collective(release), tensor)
+    assert GLOO_RELEASE_SECONDS <= time.monotonic() - started < GLOO_RELEASE_SECONDS + 1
+    release.set()
 
 
 def exchange(rank: int, port: int, out: str) -> None:
