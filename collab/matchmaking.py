@@ -68,13 +68,22 @@ def round_gather(epoch: int | None, part_timeout: float | None = None) -> dict:
     return gather
 
 
+def gathered_user_data(data_for_gather: bytes) -> object:
+    """The user data of a round's gathered data as hivemind sends it (``[bandwidth, mode, user data]``), decoded.
+    Raises ValueError when the bytes, which come from another peer, cannot be read."""
+    try:
+        _bandwidth, _mode, user_data = MSGPackSerializer.loads(data_for_gather)
+        return MSGPackSerializer.loads(user_data)
+    except Exception as e:  # any decoding error
+        raise ValueError(f"unreadable gathered data: {e!r}") from e
+
+
 def gathered_part_timeout(data_for_gather: bytes) -> float | None:
     """The sender timeout a groupmate gathered with its round, or None where it names none or not a positive finite
     number of seconds (the bytes come from another peer; ``group_part_timeout`` caps what it may ask)."""
     try:
-        _bandwidth, _mode, user_data = MSGPackSerializer.loads(data_for_gather)
-        gathered = MSGPackSerializer.loads(user_data)
-    except Exception:  # any decoding error: the bytes come from another peer
+        gathered = gathered_user_data(data_for_gather)
+    except ValueError:
         return None
     seconds = gathered.get(PART_TIMEOUT) if isinstance(gathered, dict) else None
     if type(seconds) not in (int, float) or not 0 < seconds < math.inf:
@@ -83,14 +92,9 @@ def gathered_part_timeout(data_for_gather: bytes) -> float | None:
 
 
 def gathered_round_epoch(data_for_gather: bytes) -> int | None:
-    """The epoch named by a round's gathered data as hivemind sends it (``[bandwidth, mode, user data]``); None when
-    the user data names none. Raises ValueError when the data cannot be read or the epoch is not a step number (0 to
-    ``MAX_STEP``)."""
-    try:
-        _bandwidth, _mode, user_data = MSGPackSerializer.loads(data_for_gather)
-        gathered = MSGPackSerializer.loads(user_data)
-    except Exception as e:  # any decoding error: the bytes come from another peer
-        raise ValueError(f"unreadable gathered data: {e!r}") from e
+    """The epoch named by a round's gathered data (``gathered_user_data``); None when the user data names none. Raises
+    ValueError when the data cannot be read or the epoch is not a step number (0 to ``MAX_STEP``)."""
+    gathered = gathered_user_data(data_for_gather)
     if not isinstance(gathered, dict) or ROUND_EPOCH not in gathered:
         return None
     epoch = gathered[ROUND_EPOCH]
