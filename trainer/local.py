@@ -140,6 +140,27 @@ class LocalProcess:
         """The events this process wrote so far (all, or those named ``event``), oldest first."""
         return [] if self.events_path is None else read_events(self.events_path, event)
 
+    def rank_events(self, rank: int, event: str | None = None) -> list[dict]:
+        """The events rank ``rank`` of a torchrun peer wrote so far (``trainer.ranks.rank_events_path``; rank 0's are
+        ``events``)."""
+        from trainer.ranks import rank_events_path  # torch, only where a torchrun peer is read
+
+        if self.events_path is None:
+            return []
+        return read_events(Path(rank_events_path(str(self.events_path), rank)), event)
+
+    def rank_pid(self, rank: int) -> int | None:
+        """The process a torchrun launcher started as ``rank`` (its child with RANK=rank in its environment)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rpartition(")")[2].split()[1])
+                environment = (stat.parent / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue  # a process that ended meanwhile
+            if parent == self.process.pid and f"RANK={rank}".encode() in environment:
+                return int(stat.parent.name)
+        return None
+
     def wait_for_event(
         self, event: str, timeout: float, where: Callable[[dict], bool] = lambda record: True, poll: float = 0.2
     ) -> dict:

@@ -1,4 +1,5 @@
-"""How the integration tests compare the models that peers saved when they stopped."""
+"""How the integration tests compare the models that peers saved when they stopped, and the parameters the ranks of a
+torchrun peer started their epochs from."""
 
 from __future__ import annotations
 
@@ -80,3 +81,15 @@ def evened_out(peer: LocalProcess, group_size: int, after_epoch: int, after_time
         and latest["time"] > max(started[0], after_time)
         and any(at > latest["time"] for _, at in epoch_times)
     )
+
+
+def rank_checksums(peer: LocalProcess, rank: int) -> dict[int, str]:
+    """{global epoch: parameters checksum} from rank ``rank``'s ``ranks_synced`` events."""
+    return {record["epoch"]: record["checksum"] for record in peer.rank_events(rank, "ranks_synced")}
+
+
+def assert_ranks_agree(peer: LocalProcess, epochs: set[int]) -> None:
+    """Rank 1 of ``peer`` started each of ``epochs`` from rank 0's parameters, and those moved."""
+    rank_0, rank_1 = rank_checksums(peer, 0), rank_checksums(peer, 1)
+    assert all(rank_0[epoch] == rank_1[epoch] for epoch in epochs), (rank_0, rank_1)
+    assert len({rank_0[epoch] for epoch in epochs}) >= 2, rank_0

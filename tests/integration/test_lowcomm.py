@@ -3,7 +3,7 @@
 Timeline. The monitor M starts and saves checkpoints; trainers A, B and C join through it. Once all three have
 passed global epoch KILL_AFTER, C is killed with SIGKILL as its pseudo-gradient round begins; A and B must go on
 within a bound. A newcomer D, started once the others have trained an epoch, joins mid-run (it downloads anchor,
-outer momentum and Lamb state).
+outer momentum and Lamb state); D is a torchrun peer of two ranks that shard its model (``--shard_model``).
 The inner learning rate decays to 0 at MAX_STEPS (--total_steps); A, B and D are stopped (SIGTERM) once their events
 show a complete parameter round of all three after it, and their saved models are compared: they must hold one model
 (apart by a small fraction of the distance it travelled), not agree to fp16 precision as synchronous peers do. In
@@ -13,6 +13,7 @@ on the low-communication issue). Afterwards a new trainer resumes from M's last 
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -21,8 +22,14 @@ from pathlib import Path
 import pytest
 
 from collab.checkpoint import list_checkpoints
-from tests.integration.agreement import assert_same_trajectory, evened_out, saved_parameters
-from trainer.local import LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
+from tests.integration.agreement import (
+    assert_ranks_agree,
+    assert_same_trajectory,
+    evened_out,
+    rank_checksums,
+    saved_parameters,
+)
+from trainer.local import TORCHRUN, LocalProcess, MonitorProcess, PeerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -35,6 +42,8 @@ LOWCOMM = [
     *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS)),
     *("--average_state_every", "2"),  # the agreement checked below comes from parameter rounds
 ]
+D_BATCH = 8  # D's samples per mini-step on each of its two ranks
+D_FLAGS = ["--shard_model", "--per_device_train_batch_size", str(D_BATCH)]
 
 
 @dataclass
@@ -76,7 +85,9 @@ def swarm(tmp_path_factory, sample_data):
         # D starts while the others train, so that it joins mid-run whatever its start-up takes
         wait_until(lambda: all(epochs_of(peer) for peer in peers.values()), 240, "A, B and C to finish an epoch")
         peers["D"] = PeerProcess(
-            [*common, *join, "--max_steps", str(STEP_CAP), "--output_dir", str(out / "D")], out / "D.log"
+            [*common, *join, *D_FLAGS, "--max_steps", str(STEP_CAP), "--output_dir", str(out / "D")],
+            out / "D.log",
+            launcher=(*TORCHRUN, "--nproc_per_node", "2"),
         )
         wait_until(
             lambda: all(max(epochs_of(peers[name]), default=-1) >= KILL_AFTER for name in "ABC"),
@@ -99,8 +110,11 @@ def swarm(tmp_path_factory, sample_data):
             300,
             "A, B and D to average their parameters together at inner learning rate 0",
         )
-        for peer in stopping:
-            peer.process.send_signal(signal.SIGTERM)
+        for name in "AB":
+            peers[name].process.send_signal(signal.SIGTERM)
+        d_rank_0 = peers["D"].rank_pid(0)
+        assert d_rank_0 is not None, "no process of D has RANK=0"
+        os.kill(d_rank_0, signal.SIGTERM)  # rank 0 stops D's ranks; torchrun itself exits 1 on SIGTERM
         exit_codes = {name: peers[name].wait(timeout=120) for name in "ABD"}
         wait_until(
             lambda: any(m.step >= MAX_STEPS - 2 for _, m in list_checkpoints(out / "checkpoints")[0]),
@@ -137,6 +151,14 @@ def test_a_newcomer_downloads_the_state_and_agrees_with_the_others(swarm):
     d = swarm.peers["D"]
     assert min(epochs_of(d)) > 1, "D did not start from the swarm's epoch"
     assert d.events("state_loaded"), "D did not download the state"
+    # D is one peer on two ranks that shard its model: both ranks' samples count, and every epoch's inner steps
+    # started from rank 0's parameters on both
+    d_epochs = d.events("epoch")
+    assert all(e["samples"] == e["mini_steps"] * 2 * D_BATCH for e in d_epochs), d_epochs
+    both = rank_checksums(d, 0).keys() & rank_checksums(d, 1).keys()
+    assert len(both) >= 3, both
+    assert_ranks_agree(d, both)
+    assert {record["sharded"] for rank in (0, 1) for record in d.rank_events(rank, "ranks_synced")} == {True}
     a = saved_parameters(swarm.out / "A")
     for name in "BD":
         assert_same_trajectory(a, saved_parameters(swarm.out / name), f"A and {name}", fraction=0.2)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from collab.events import read_events
+from tests.integration.agreement import assert_ranks_agree, rank_checksums
 from trainer.local import TORCHRUN, LocalProcess, PeerProcess, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]  # 82 s measured on 2 cores; 159 s under load 11
@@ -35,32 +34,8 @@ EXIT_BOUND = 60  # seconds from SIGKILL of a rank to the peer's exit: torchrun s
 TWO_RANKS = (*TORCHRUN, "--nproc_per_node", "2")
 
 
-def rank_pid(launcher_pid: int, rank: int) -> int | None:
-    """The process torchrun started as ``rank`` (a child of ``launcher_pid`` with RANK=rank in its environment)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rpartition(")")[2].split()[1])
-            environment = (stat.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue  # a process that ended meanwhile
-        if parent == launcher_pid and f"RANK={rank}".encode() in environment:
-            return int(stat.parent.name)
-    return None
-
-
-def synced_records(peer: LocalProcess, rank: int) -> list[dict]:
-    """Rank ``rank``'s ``ranks_synced`` events."""
-    path = peer.events_path if rank == 0 else peer.events_path.with_name(f"{peer.events_path.stem}.rank{rank}.jsonl")
-    return read_events(path, "ranks_synced")
-
-
-def synced(peer: LocalProcess, rank: int) -> dict[int, str]:
-    """{global epoch: parameters checksum} from rank ``rank``'s ``ranks_synced`` events."""
-    return {record["epoch"]: record["checksum"] for record in synced_records(peer, rank)}
-
-
 def epochs_of_both_ranks(peer: LocalProcess) -> set[int]:
-    return synced(peer, 0).keys() & synced(peer, 1).keys()
+    return rank_checksums(peer, 0).keys() & rank_checksums(peer, 1).keys()
 
 
 def trained_together(peer: LocalProcess) -> set[int]:
@@ -75,13 +50,6 @@ def trained_together(peer: LocalProcess) -> set[int]:
     return wait_until(
         ready, 180, f"{peer.log_path.stem}'s two ranks to start {SYNCED_EPOCHS} epochs together and average with A"
     )
-
-
-def assert_ranks_agree(peer: LocalProcess, epochs: set[int]) -> None:
-    """Rank 1 started each of ``epochs`` from rank 0's parameters, and those moved."""
-    rank_0, rank_1 = synced(peer, 0), synced(peer, 1)
-    assert all(rank_0[epoch] == rank_1[epoch] for epoch in epochs), (rank_0, rank_1)
-    assert len({rank_0[epoch] for epoch in epochs}) >= 2, rank_0
 
 
 def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_rank_dies(tmp_path, sample_data):
@@ -104,7 +72,7 @@ def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_
         u = torchrun_peer("U", "--shard_model")
         u_epochs_synced = trained_together(u)
         a_rounds = a.averaging_group_sizes()
-        victim = rank_pid(u.process.pid, 1)
+        victim = u.rank_pid(1)
         assert victim is not None, "no process of U has RANK=1"
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
@@ -128,8 +96,8 @@ def test_torchrun_peers_train_with_a_plain_peer_stop_on_sigterm_and_exit_when_a_
     # U (--shard_model) started from the swarm's state: rank 1's shards assemble to rank 0's whole host model
     assert u.events("state_loaded") and min(u_epochs_synced) > 0, u_epochs_synced
     assert_ranks_agree(u, u_epochs_synced)
-    assert {record["sharded"] for rank in (0, 1) for record in synced_records(u, rank)} == {True}
-    assert {record["sharded"] for rank in (0, 1) for record in synced_records(t, rank)} == {False}
+    assert {record["sharded"] for rank in (0, 1) for record in u.rank_events(rank, "ranks_synced")} == {True}
+    assert {record["sharded"] for rank in (0, 1) for record in t.rank_events(rank, "ranks_synced")} == {False}
     u_epochs = u.events("epoch")
     assert u_epochs and all(e["samples"] == e["mini_steps"] * 2 * BATCH for e in u_epochs), u_epochs
     assert code != 0 and exit_seconds < EXIT_BOUND, (code, exit_seconds)
