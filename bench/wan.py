@@ -38,9 +38,12 @@ from bench.procs import (
     read_json_lines,
     wait_for,
 )
+from collab.compression import CODEC_KINDS
 from collab.lowcomm import round_target_samples
 
 FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per parameter per token
+# H of any run: a round of 1000 x 256 samples already outlasts a loss run's samples, and a window's many times over
+MAX_LOCAL_STEPS = 1000
 FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
 SUMMARY_KEYS = ("wan_efficiency_sync", "wan_efficiency_lowcomm", "bits_per_param_per_step", "lowcomm_loss_ratio")
 
@@ -141,6 +144,21 @@ def lowcomm_flags(local_steps: int, compression: str) -> list[str]:
     ]
 
 
+def variant(local_steps: int, compression: str) -> tuple[str, list[str]]:
+    """A low-communication run of the rate-scaled way: its name in the report, and its flags."""
+    return f"H {local_steps}, {compression}", lowcomm_flags(local_steps, compression)
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``H:COMPRESSION`` (``25:8bit``) as a variant; ValueError naming what to write instead."""
+    h, _, compression = text.partition(":")
+    if not h.isascii() or not h.isdigit() or not 1 <= int(h) <= MAX_LOCAL_STEPS or compression not in CODEC_KINDS:
+        raise ValueError(
+            f"{text!r} must be H:COMPRESSION, H 1 to {MAX_LOCAL_STEPS} and compression one of {', '.join(CODEC_KINDS)}"
+        )
+    return variant(int(h), compression)
+
+
 @dataclasses.dataclass
 class Plan:
     """How long each run lasts and what it covers; ``QUICK`` is a smoke run of a few minutes."""
@@ -167,11 +185,11 @@ class Plan:
 # inner steps between rounds: 267 at H 50, where 8 bits both ways (2 x 2(N-1)/N x 8 bits) make 0.08 bits per
 # parameter per inner step. H 10 runs in the shadow way, where its rounds last what the setting's would.
 FULL = Plan(
-    lowcomm_variants={"H 50, 8bit": lowcomm_flags(50, "8bit"), "H 50, topk": lowcomm_flags(50, "topk")},
+    lowcomm_variants=dict([variant(50, "8bit"), variant(50, "topk")]),
 )
 QUICK = Plan(
     seconds=30.0,
-    lowcomm_variants={"H 5, 8bit": lowcomm_flags(5, "8bit")},
+    lowcomm_variants=dict([variant(5, "8bit")]),
     loss_steps_per_peer=60,
     loss_variant=tuple(lowcomm_flags(5, "8bit")),
     shadow_peers=2,
@@ -401,7 +419,6 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> d
 
 
 LOSS_RUN_S = 3600.0  # at most, each loss run
-MAX_LOSS_LOCAL_STEPS = 1000  # H of the loss run: a round of 1000 x 256 samples already outlasts the run's samples
 
 
 def outer_rounds_for(samples: int, local_steps: int, target_batch_size: int) -> int:
@@ -635,14 +652,28 @@ def main(argv=None) -> int:
         "--loss_local_steps",
         type=int,
         default=None,
-        help=f"H of the loss way's low-communication run, 1 to {MAX_LOSS_LOCAL_STEPS} (50; quick 5); the run keeps "
+        help=f"H of the loss way's low-communication run, 1 to {MAX_LOCAL_STEPS} (50; quick 5); the run keeps "
         "its samples, in as many more rounds",
+    )
+    parser.add_argument(
+        "--lowcomm_variants",
+        nargs="+",
+        default=None,
+        metavar="H:COMPRESSION",
+        help="the rate-scaled way's low-communication runs, H and pseudo-gradient compression each "
+        f"(50:8bit 50:topk; quick 5:8bit); compression one of {', '.join(CODEC_KINDS)}",
     )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.lowcomm_variants:
+        try:
+            variants = [parse_variant(text) for text in args.lowcomm_variants]
+        except ValueError as error:
+            parser.error(f"--lowcomm_variants: {error}")
+        plan = dataclasses.replace(plan, lowcomm_variants=dict(variants))
     if args.loss_local_steps is not None:
-        if not 1 <= args.loss_local_steps <= MAX_LOSS_LOCAL_STEPS:
-            parser.error(f"--loss_local_steps: must be 1 to {MAX_LOSS_LOCAL_STEPS} (got {args.loss_local_steps})")
+        if not 1 <= args.loss_local_steps <= MAX_LOCAL_STEPS:
+            parser.error(f"--loss_local_steps: must be 1 to {MAX_LOCAL_STEPS} (got {args.loss_local_steps})")
         plan = dataclasses.replace(plan, loss_variant=tuple(lowcomm_flags(args.loss_local_steps, "8bit")))
     if args.shadow_modes:
         plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))

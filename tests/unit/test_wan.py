@@ -305,6 +305,27 @@ def test_the_loss_runs_h_out_of_bounds_is_refused_in_one_line_before_anything_ru
         assert not (tmp_path / "logs").exists()
 
 
+def test_a_rate_scaled_variant_names_its_h_and_compression_and_bad_ones_are_refused_in_one_line(tmp_path):
+    from bench.wan import parse_variant
+
+    assert parse_variant("25:8bit") == (
+        "H 25, 8bit",
+        ["--local_steps", "25", "--outer_learning_rate", "0.7", "--outer_momentum", "0.9"]
+        + ["--pseudo_grad_compression", "8bit"],
+    )
+    for bad in ("25", "0:8bit", "1001:topk", "25:int4", "\uff12\uff15:8bit", ":8bit"):
+        with pytest.raises(ValueError, match="must be H:COMPRESSION"):
+            parse_variant(bad)
+    command = [sys.executable, "-m", "bench.wan", "--ways", "rate_scaled", "--log_dir", str(tmp_path / "logs")]
+    result = subprocess.run(
+        [*command, "--lowcomm_variants", "50:topk", "25:int4"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("python -m bench.wan: error: --lowcomm_variants: '25:int4'"), lines
+    assert not (tmp_path / "logs").exists()
+
+
 def test_the_shadow_inner_step_moves_the_parameters_once_a_round():
     from bench.shadow import ShadowInnerStep
 
