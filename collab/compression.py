@@ -5,7 +5,7 @@ A ``PseudoGradientCodec`` (one per peer, from ``make_codec``) has two halves:
 - ``encode_`` turns this peer's pseudo-gradient into what it contributes this round. ``fp16`` and ``8bit`` send it
   as it is; ``topk`` (SparseLoCo-style) adds it to a held-back buffer, sends the largest ``topk_fraction`` of that
   buffer quantised to ``value_bits`` bits, and keeps the rest for later rounds (error feedback: nothing is lost,
-  only delayed). Tensors under ``DENSE_BELOW_VALUES`` values (biases, norms) go dense fp16, still error-fed.
+  only delayed). Vectors under ``DENSE_BELOW_VALUES`` values (biases, norms) go dense fp16, still error-fed.
 - ``wire`` is the hivemind compression the all-reduce uses for these tensors. ``SparseFloat16Wire`` sends a part as
   (indices, values), as (bitmap, values) or dense fp16, whichever is smallest: each peer's top-k part is sparse, and
   the reducer's reply (average minus the sender's part) has the union of the group's supports, which the bitmap form
@@ -54,7 +54,10 @@ from collab.hivemind_fixes import quantization_extract
 logger = logging.getLogger(__name__)
 
 CODEC_KINDS = ("fp16", "8bit", "topk")
-DENSE_BELOW_VALUES = 2**16  # biases and norms (as for 8-bit gradients): few bytes to save, the most sensitive values
+# Vectors under this many values (biases, norms) go dense: few bytes to save, the most sensitive values. Matrices go
+# through top-k whatever their size: a small model's 128 x 128 ones held most of its top-k round's bytes when they
+# went dense (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md).
+DENSE_BELOW_VALUES = 2**16
 MAX_VALUE_BITS = 8
 MAX_PART_VALUES = 2**26  # a sparse part claims its own size: bound what a groupmate can make this peer allocate
 WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -312,8 +315,13 @@ class PseudoGradientCodec:
         """Accepts any codec's state: values held back by another kind are dropped (nothing here holds values)."""
 
 
+def goes_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``topk`` sends this tensor dense in fp16: a vector (bias, norm) under DENSE_BELOW_VALUES values."""
+    return tensor.dim() < 2 and tensor.numel() < DENSE_BELOW_VALUES
+
+
 class TopKCodec(PseudoGradientCodec):
-    """SparseLoCo-style top-k with error feedback (``top_k_contribution``; dense fp16 under ``DENSE_BELOW_VALUES``).
+    """SparseLoCo-style top-k with error feedback (``top_k_contribution``; dense fp16 where ``goes_dense``).
 
     A non-finite pseudo-gradient is not added to the held-back values (they would stay non-finite for good, and
     groupmates refuse non-finite parts): that round this peer contributes what it held back, logged at WARNING."""
@@ -332,7 +340,7 @@ class TopKCodec(PseudoGradientCodec):
             held_back.add_(pseudo_grad.to(held_back.device))
         else:
             logger.warning("Pseudo-gradient %d is not finite: this round sends only values held back before", index)
-        if held_back.numel() < DENSE_BELOW_VALUES:
+        if goes_dense(held_back):
             contribution = float16_contribution(held_back)
         else:
             contribution = top_k_contribution(held_back, self.topk_fraction, self.value_bits)

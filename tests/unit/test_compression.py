@@ -72,6 +72,16 @@ def test_a_value_left_out_of_the_first_round_is_sent_in_a_later_one():
     assert any(contribution[1] > 0 for contribution in contributions[1:])
 
 
+def test_matrices_of_any_size_go_through_top_k_and_small_vectors_go_dense():
+    generator = torch.Generator().manual_seed(2)
+    matrix, bias = torch.randn(128, 128, generator=generator), torch.randn(128, generator=generator)
+    codec, sent_matrix, sent_bias = make_codec("topk", topk_fraction=0.01), matrix.clone(), bias.clone()
+    codec.encode_(0, sent_matrix)
+    codec.encode_(1, sent_bias)
+    assert sent_matrix.count_nonzero() == round(0.01 * matrix.numel())  # 164 of 16,384
+    assert torch.equal(sent_bias, bias.half().float())
+
+
 def test_with_a_constant_pseudo_gradient_the_sum_sent_approaches_rounds_times_it():
     """Sum sent + held back = R·Δ exactly each round, and what is held back stays bounded, so the sum sent per round
     tends to Δ. The bound is the steady state of top-k: a value is sent when it reaches about ‖Δ‖₁/k."""
