@@ -375,17 +375,21 @@ class ProgressTrackerArguments:
     metadata_expiration: float = field(
         default=60.0, metadata={"help": "Lifetime of this peer's progress record in the DHT (s)"}
     )
-    progress_report_period: float = field(
-        default=2.0,
+    progress_report_period: float | None = field(
+        default=None,
         metadata={
             "help": "Shortest wait between two publications of this peer's progress within a global epoch (s); "
-            "readers extrapolate in between and a new epoch is published at once (hivemind publishes every step)"
+            "readers extrapolate in between and a new epoch is published at once (hivemind publishes every step). "
+            "Unset: 2 in the synchronous mode; in the low-communication mode 2 x --local_steps, at most half of "
+            "--metadata_expiration (each publication is a signed DHT store to several peers)"
         },
     )
 
     def __post_init__(self) -> None:
         _require_positive(self, "min_refresh_period", "max_refresh_period", "default_refresh_period")
-        _require_positive(self, "metadata_expiration", "progress_report_period")
+        _require_positive(self, "metadata_expiration")
+        if self.progress_report_period is not None:
+            _require_positive(self, "progress_report_period")
         _require_non_negative(self, "expected_drift_peers", "expected_drift_rate")
         if self.min_refresh_period > self.max_refresh_period:
             _fail("min_refresh_period", f"must not exceed --max_refresh_period ({self.max_refresh_period})")

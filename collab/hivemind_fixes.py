@@ -108,7 +108,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils import asyncio as hivemind_asyncio
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
-from arguments import MetricsArguments, ProgressTrackerArguments
+from arguments import MetricsArguments
 from collab import events, signals
 from collab.matchmaking import EpochMatchmaking, round_gather
 from collab.schema import honest_step
@@ -214,7 +214,9 @@ async def update_queue_with_spaced_lookups(self, key_manager) -> None:
     await _original_update_queue_periodically(self, SpacedLookups(key_manager, period))
 
 
-PROGRESS_REPORT_PERIOD = ProgressTrackerArguments.progress_report_period  # seconds, when a caller passes none
+# seconds between two publications of progress within an epoch when a caller passes none (the synchronous mode's):
+# about an epoch of 256 samples on the CPU peers of the tests and the bench
+PROGRESS_REPORT_PERIOD = 2.0
 ProgressTracker = hivemind.optim.progress_tracker.ProgressTracker
 _original_tracker_init = ProgressTracker.__init__
 _original_report_local_progress = ProgressTracker.report_local_progress

@@ -36,6 +36,7 @@ from collab.averagers import (
     bring_scheduler_to_epoch,
 )
 from collab.compression import PseudoGradientCodec, WireAveragerMixin
+from collab.hivemind_fixes import PROGRESS_REPORT_PERIOD
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,19 @@ def parameter_round_every(explicit: int | None, local_steps: int, pseudo_grad_co
     pseudo_gradient = PSEUDO_GRADIENT_BYTES_PER_VALUE[pseudo_grad_compression]
     every = math.ceil(PARAMETER_ROUND_BYTES_PER_VALUE / (PARAMETER_TRAFFIC_SHARE * pseudo_gradient))
     return min(every, MAX_PARAMETER_ROUND_EVERY)
+
+
+def progress_report_period(explicit: float | None, local_steps: int, metadata_expiration: float) -> float:
+    """Seconds between two publications of a peer's progress within a global epoch: ``explicit`` where given, else
+    PROGRESS_REPORT_PERIOD in the synchronous mode, else ``local_steps`` times it (an outer round is that many
+    synchronous epochs, so records stay as many to a round), at most half of ``metadata_expiration`` (the reporter
+    stores that often anyway). Each publication is a signed DHT store: every 2 s they were most of a 3-peer swarm's
+    traffic between rounds (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md)."""
+    if explicit is not None:
+        return explicit
+    if local_steps == 0:
+        return PROGRESS_REPORT_PERIOD
+    return min(PROGRESS_REPORT_PERIOD * local_steps, metadata_expiration / 2)
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ from arguments import (
 )
 from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager, FiniteTrainingStateAverager
 from collab.compression import make_codec
-from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory, parameter_round_every
+from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory, parameter_round_every, progress_report_period
 from collab.timeouts import FP16_BYTES, Timeouts, derive_timeouts, estimate_transfers
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,10 @@ def build_optimizer(
         "expected_drift_peers": tracker_args.expected_drift_peers,
         "expected_drift_rate": tracker_args.expected_drift_rate,
         "metadata_expiration": tracker_args.metadata_expiration,
-        "progress_report_period": tracker_args.progress_report_period,  # an option of SpacedProgressTracker
+        # an option of SpacedProgressTracker
+        "progress_report_period": progress_report_period(
+            tracker_args.progress_report_period, optimizer_args.local_steps, tracker_args.metadata_expiration
+        ),
     }
     if tracker_private_key is not None:
         tracker_opts["private_key"] = tracker_private_key

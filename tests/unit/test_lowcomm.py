@@ -21,6 +21,7 @@ from collab.lowcomm import (
     OuterNesterov,
     outer_optimizer_factory,
     parameter_round_every,
+    progress_report_period,
     pseudo_gradient_,
     rebase_,
     round_target_samples,
@@ -197,6 +198,7 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
         )
         try:
             assert isinstance(optimizer, LowCommOptimizer) and optimizer.target_batch_size == 24
+            assert optimizer.tracker.progress_report_period == 6.0  # 2 s x 3 local steps
             # inner steps of 4 samples stand for steps of 8: the rate times sqrt(1/2)
             inner_rates = [group["initial_lr"] for group in optimizer.inner_optimizer.param_groups]
             assert inner_rates == pytest.approx([training_args.learning_rate * 0.5**0.5] * len(inner_rates))
@@ -236,6 +238,14 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
             optimizer.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_progress_is_published_local_steps_times_less_often_between_outer_rounds():
+    assert progress_report_period(None, 0, 60.0) == 2.0  # the synchronous mode
+    assert progress_report_period(None, 5, 60.0) == 10.0  # 2 s x 5: as many records to a round
+    assert progress_report_period(None, 50, 60.0) == 30.0  # capped at half the record's lifetime
+    assert progress_report_period(None, 50, 300.0) == 100.0
+    assert progress_report_period(0.5, 50, 60.0) == 0.5  # the flag wins
 
 
 def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_between_pseudo_gradient_rounds():
