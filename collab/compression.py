@@ -29,6 +29,7 @@ import asyncio
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import numpy as np
@@ -54,9 +55,9 @@ from collab.hivemind_fixes import quantization_extract
 logger = logging.getLogger(__name__)
 
 CODEC_KINDS = ("fp16", "8bit", "topk")
-# Vectors under this many values (biases, norms) go dense: few bytes to save, the most sensitive values. Matrices go
-# through top-k whatever their size: a small model's 128 x 128 ones held most of its top-k round's bytes when they
-# went dense (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md).
+# Vectors under this many values (biases, norms) go dense: few bytes to save, the most sensitive values. Matrices are
+# compressed whatever their size: a small model's 128 x 128 ones held most of its top-k round's bytes when they went
+# dense (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md).
 DENSE_BELOW_VALUES = 2**16
 MAX_VALUE_BITS = 8
 MAX_PART_VALUES = 2**26  # a sparse part claims its own size: bound what a groupmate can make this peer allocate
@@ -64,6 +65,12 @@ WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": to
 FP16_MAX = torch.finfo(torch.float16).max
 INDEX_FORM, BITMAP_FORM = 1, 2
 HEADER_BYTES = 4  # uint32 form tag: keeps the int32 indices and fp16 values that follow aligned
+
+
+def goes_dense(shape: Sequence[int]) -> bool:
+    """Whether ``8bit`` and ``topk`` send a pseudo-gradient of this shape dense in fp16: a vector (bias, norm) under
+    DENSE_BELOW_VALUES values."""
+    return len(shape) < 2 and math.prod(shape) < DENSE_BELOW_VALUES
 
 
 class SparseFloat16Wire(Float16Compression):
@@ -139,12 +146,14 @@ class Uniform8BitWire(Uniform8BitQuantization):
 
 
 class EightBitWire(SizeAdaptiveCompression):
-    """8 bits for tensors of ``EIGHT_BIT_MIN_VALUES`` values or more, fp16 below (as ``--grad_compression 8bit``)."""
+    """8 bits for every matrix and long vector, fp16 for the vectors ``goes_dense`` keeps dense (hivemind's rule, which
+    ``--grad_compression 8bit`` keeps, goes by size alone and sent a small model's matrices in fp16)."""
 
     def __init__(self):
-        from collab.optim import EIGHT_BIT_MIN_VALUES  # here: collab.optim builds the codecs through this module
+        super().__init__(DENSE_BELOW_VALUES, less=Float16Compression(), greater_equal=Uniform8BitWire())
 
-        super().__init__(EIGHT_BIT_MIN_VALUES, less=Float16Compression(), greater_equal=Uniform8BitWire())
+    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
+        return self.less if goes_dense(info.descriptor.size) else self.greater_equal
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         return extract_wire_tensor(serialized_tensor)
@@ -315,11 +324,6 @@ class PseudoGradientCodec:
         """Accepts any codec's state: values held back by another kind are dropped (nothing here holds values)."""
 
 
-def goes_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``topk`` sends this tensor dense in fp16: a vector (bias, norm) under DENSE_BELOW_VALUES values."""
-    return tensor.dim() < 2 and tensor.numel() < DENSE_BELOW_VALUES
-
-
 class TopKCodec(PseudoGradientCodec):
     """SparseLoCo-style top-k with error feedback (``top_k_contribution``; dense fp16 where ``goes_dense``).
 
@@ -340,7 +344,7 @@ class TopKCodec(PseudoGradientCodec):
             held_back.add_(pseudo_grad.to(held_back.device))
         else:
             logger.warning("Pseudo-gradient %d is not finite: this round sends only values held back before", index)
-        if goes_dense(held_back):
+        if goes_dense(held_back.shape):
             contribution = float16_contribution(held_back)
         else:
             contribution = top_k_contribution(held_back, self.topk_fraction, self.value_bits)

@@ -199,11 +199,12 @@ def test_the_sparse_wire_is_exact_and_a_few_percent_of_dense_fp16_both_ways():
     assert serialized(dense) == serialized(dense, Float16Compression())
 
 
-def test_the_8bit_wire_keeps_large_tensors_within_a_few_percent_and_small_ones_in_fp16():
+def test_the_8bit_wire_keeps_matrices_and_long_vectors_within_a_few_percent_and_small_vectors_in_fp16():
     wire = make_codec("8bit").wire
-    large, small = torch.randn(TOP_K_VALUES), torch.randn(1000)
-    assert serialized(large, wire).compression == runtime_pb2.UNIFORM_8BIT
-    assert (wire.extract(serialized(large, wire)) - large).norm() < 0.02 * large.norm()
+    large, matrix, small = torch.randn(TOP_K_VALUES), torch.randn(128, 128), torch.randn(1000)
+    for tensor in (large, matrix):
+        assert serialized(tensor, wire).compression == runtime_pb2.UNIFORM_8BIT
+        assert (wire.extract(serialized(tensor, wire)) - tensor).norm() < 0.02 * tensor.norm()
     assert torch.equal(wire.extract(serialized(small, wire)), small.half().float())
 
 
