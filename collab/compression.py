@@ -40,11 +40,11 @@ from hivemind.compression import (
     CompressionInfo,
     Float16Compression,
     NoCompression,
-    SizeAdaptiveCompression,
     Uniform8BitQuantization,
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
+from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
@@ -145,15 +145,16 @@ class Uniform8BitWire(Uniform8BitQuantization):
     extract = quantization_extract
 
 
-class EightBitWire(SizeAdaptiveCompression):
-    """8 bits for every matrix and long vector, fp16 for the vectors ``goes_dense`` keeps dense (hivemind's rule, which
-    ``--grad_compression 8bit`` keeps, goes by size alone and sent a small model's matrices in fp16)."""
+class EightBitWire(AdaptiveCompressionBase):
+    """8 bits for every matrix and long vector, fp16 for the vectors ``goes_dense`` keeps dense (hivemind's
+    ``SizeAdaptiveCompression``, which ``--grad_compression 8bit`` keeps, goes by size alone and sent a small model's
+    matrices in fp16)."""
 
     def __init__(self):
-        super().__init__(DENSE_BELOW_VALUES, less=Float16Compression(), greater_equal=Uniform8BitWire())
+        self.dense, self.quantized = Float16Compression(), Uniform8BitWire()
 
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
-        return self.less if goes_dense(info.descriptor.size) else self.greater_equal
+        return self.dense if goes_dense(info.descriptor.size) else self.quantized
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         return extract_wire_tensor(serialized_tensor)
