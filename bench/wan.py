@@ -42,8 +42,9 @@ from collab.compression import CODEC_KINDS
 from collab.lowcomm import round_target_samples
 
 FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per parameter per token
-# H of any run: a round of 1000 x 256 samples already outlasts a loss run's samples, and a window's many times over
-MAX_LOCAL_STEPS = 1000
+# H of any bench run (the trainer takes more): a round of 1000 x 256 samples already outlasts a loss run's samples,
+# and a window's many times over
+MAX_BENCH_LOCAL_STEPS = 1000
 FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
 SUMMARY_KEYS = ("wan_efficiency_sync", "wan_efficiency_lowcomm", "bits_per_param_per_step", "lowcomm_loss_ratio")
 
@@ -152,10 +153,10 @@ def variant(local_steps: int, compression: str) -> tuple[str, list[str]]:
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """``H:COMPRESSION`` (``25:8bit``) as a variant; ValueError naming what to write instead."""
     h, _, compression = text.partition(":")
-    if not h.isascii() or not h.isdigit() or not 1 <= int(h) <= MAX_LOCAL_STEPS or compression not in CODEC_KINDS:
-        raise ValueError(
-            f"{text!r} must be H:COMPRESSION, H 1 to {MAX_LOCAL_STEPS} and compression one of {', '.join(CODEC_KINDS)}"
-        )
+    h_ok = h.isascii() and h.isdigit() and 1 <= int(h) <= MAX_BENCH_LOCAL_STEPS
+    if not h_ok or compression not in CODEC_KINDS:
+        kinds = ", ".join(CODEC_KINDS)
+        raise ValueError(f"{text!r} must be H:COMPRESSION, H 1 to {MAX_BENCH_LOCAL_STEPS}, compression one of {kinds}")
     return variant(int(h), compression)
 
 
@@ -652,7 +653,7 @@ def main(argv=None) -> int:
         "--loss_local_steps",
         type=int,
         default=None,
-        help=f"H of the loss way's low-communication run, 1 to {MAX_LOCAL_STEPS} (50; quick 5); the run keeps "
+        help=f"H of the loss way's low-communication run, 1 to {MAX_BENCH_LOCAL_STEPS} (50; quick 5); the run keeps "
         "its samples, in as many more rounds",
     )
     parser.add_argument(
@@ -672,8 +673,8 @@ def main(argv=None) -> int:
             parser.error(f"--lowcomm_variants: {error}")
         plan = dataclasses.replace(plan, lowcomm_variants=dict(variants))
     if args.loss_local_steps is not None:
-        if not 1 <= args.loss_local_steps <= MAX_LOCAL_STEPS:
-            parser.error(f"--loss_local_steps: must be 1 to {MAX_LOCAL_STEPS} (got {args.loss_local_steps})")
+        if not 1 <= args.loss_local_steps <= MAX_BENCH_LOCAL_STEPS:
+            parser.error(f"--loss_local_steps: must be 1 to {MAX_BENCH_LOCAL_STEPS} (got {args.loss_local_steps})")
         plan = dataclasses.replace(plan, loss_variant=tuple(lowcomm_flags(args.loss_local_steps, "8bit")))
     if args.shadow_modes:
         plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))
