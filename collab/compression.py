@@ -6,21 +6,22 @@ A ``PseudoGradientCodec`` (one per peer, from ``make_codec``) has two halves:
   as it is; ``topk`` (SparseLoCo-style) adds it to a held-back buffer, sends the largest ``topk_fraction`` of that
   buffer quantised to ``value_bits`` bits, and keeps the rest for later rounds (error feedback: nothing is lost,
   only delayed). Vectors under ``DENSE_BELOW_VALUES`` values (biases, norms) go dense fp16, still error-fed.
-- ``wire`` is the hivemind compression the all-reduce uses for these tensors. ``SparseFloat16Wire`` sends a part as
-  (indices, values), as (bitmap, values) or dense fp16, whichever is smallest: each peer's top-k part is sparse, and
-  the reducer's reply (average minus the sender's part) has the union of the group's supports, which the bitmap form
-  carries at 1 bit per value plus 2 bytes per non-zero.
+- ``wire`` is the hivemind compression the all-reduce uses for these tensors. ``SparseFloat16Wire`` sends a part
+  dense in fp16 or in ``collab.sparse_form``'s coded form (Rice-coded positions, palette codes for values that
+  repeat), whichever is smaller: each peer's top-k part is sparse with 4 distinct values at 2 bits, and the
+  reducer's reply (average minus the sender's part) has the union of the group's supports and a few distinct
+  values per groupmate.
 
-hivemind decodes what arrives with its own per-type decoders, which know neither the sparse forms nor (under numpy
+hivemind decodes what arrives with its own per-type decoders, which know neither the sparse form nor (under numpy
 2) how to read 8-bit parts. An averager that exchanges these formats must therefore put ``WireAveragerMixin`` before
 its hivemind class: it decodes every part this peer receives (as a reducer and as a sender of parts) with
 ``extract_wire_tensor`` and encodes each reply in the form of the part it answers. A plain hivemind groupmate fails
 loudly on a sparse part (its length matches no dense part), never misreads it.
 
-Operators: at ``topk_fraction`` 0.01 a peer's parts are 3 % of fp16's bytes (6 bytes per kept value) and the
-replies, with the group's union of supports, 1/8 byte per value plus 2 bytes per non-zero: in all 5.6 % of fp16's
-traffic in a group of 3 (``python -m bench.compression``). Raise ``topk_fraction`` if the loss lags the dense modes;
-lower it if rounds stall on the link.
+Operators: at ``topk_fraction`` 0.01 and ``value_bits`` 2 a peer's parts take about 10 bits per kept value (0.7 %
+of fp16's bytes) and the replies, with the group's union of supports, about 14 bits per non-zero: in all 1.4 % of
+fp16's traffic in a group of 3 (``python -m bench.compression``). Raise ``topk_fraction`` if the loss lags the dense
+modes; lower it if rounds stall on the link.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
+from collab import sparse_form
 from collab.averaging_events import ReplyLedger, RoundTraffic
 from collab.hivemind_fixes import quantization_extract
 
@@ -63,8 +65,6 @@ MAX_VALUE_BITS = 8
 MAX_PART_VALUES = 2**26  # a sparse part claims its own size: bound what a groupmate can make this peer allocate
 WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 FP16_MAX = torch.finfo(torch.float16).max
-INDEX_FORM, BITMAP_FORM = 1, 2
-HEADER_BYTES = 4  # uint32 form tag: keeps the int32 indices and fp16 values that follow aligned
 
 
 def goes_dense(shape: Sequence[int]) -> bool:
@@ -74,27 +74,19 @@ def goes_dense(shape: Sequence[int]) -> bool:
 
 
 class SparseFloat16Wire(Float16Compression):
-    """fp16 on the wire, sent as the smallest of: (indices, values), (bitmap, values), dense fp16.
+    """fp16 on the wire, sent dense or in ``collab.sparse_form``'s coded form (positions and palette codes),
+    whichever is smaller.
 
     Exact for values that fp16 represents (``topk`` contributions are), so sparse input keeps its zeros and support.
-    A sparse part is always shorter than the dense one (2 bytes per value), which is how ``extract`` tells them
+    A coded part is always shorter than the dense one (2 bytes per value), which is how ``extract`` tells them
     apart; it is typed FLOAT16, so parts are sized as fp16 parts (``estimate_compression_ratio``).
     """
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         dense = super().compress(tensor, info, allow_inplace=False)
-        values = np.frombuffer(dense.buffer, dtype=np.float16)
-        nonzero = np.flatnonzero(values)
-        index_bytes = HEADER_BYTES + nonzero.size * 6
-        bitmap_bytes = HEADER_BYTES + math.ceil(values.size / 8) + nonzero.size * 2
-        if min(index_bytes, bitmap_bytes) >= len(dense.buffer):
-            return dense
-        if index_bytes <= bitmap_bytes:
-            parts = (np.uint32(INDEX_FORM).tobytes(), nonzero.astype(np.int32).tobytes(), values[nonzero].tobytes())
-        else:
-            bitmap = np.packbits(values != 0)
-            parts = (np.uint32(BITMAP_FORM).tobytes(), values[nonzero].tobytes(), bitmap.tobytes())
-        dense.buffer = b"".join(parts)
+        coded = sparse_form.encode(np.frombuffer(dense.buffer, dtype=np.float16))
+        if len(coded) < len(dense.buffer):
+            dense.buffer = coded
         return dense
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
@@ -106,36 +98,11 @@ class SparseFloat16Wire(Float16Compression):
         buffer, numel = serialized_tensor.buffer, math.prod(shape)
         if len(buffer) == 2 * numel:
             return super().extract(serialized_tensor)
-        positions, values = _sparse_positions_and_values(buffer, numel)
+        positions, values = sparse_form.decode(buffer, numel)
         result = torch.zeros(numel, dtype=torch.float32)
-        result[torch.from_numpy(positions.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
+        result[torch.from_numpy(positions)] = torch.from_numpy(values.astype(np.float32))
         dtype = WIRE_DTYPES[serialized_tensor.dtype]
         return result.reshape(shape).to(dtype).requires_grad_(serialized_tensor.requires_grad)
-
-
-def _sparse_positions_and_values(buffer: bytes, numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """The non-zero positions (strictly increasing, below ``numel``) and fp16 values of a sparse wire part."""
-    if len(buffer) < HEADER_BYTES:
-        raise ValueError(f"wire part of {len(buffer)} bytes: neither dense fp16 nor a sparse form")
-    form = int(np.frombuffer(buffer, dtype=np.uint32, count=1)[0])
-    body = len(buffer) - HEADER_BYTES
-    if form == INDEX_FORM and body % 6 == 0:
-        count = body // 6
-        positions = np.frombuffer(buffer, dtype=np.int32, count=count, offset=HEADER_BYTES)
-        values = np.frombuffer(buffer, dtype=np.float16, count=count, offset=HEADER_BYTES + 4 * count)
-        if count and (positions[0] < 0 or positions[-1] >= numel or np.any(np.diff(positions) <= 0)):
-            raise ValueError("sparse wire part: indices must increase strictly and lie inside the part")
-        return positions, values
-    bitmap_bytes = math.ceil(numel / 8)
-    if form == BITMAP_FORM and body >= bitmap_bytes and (body - bitmap_bytes) % 2 == 0:
-        count = (body - bitmap_bytes) // 2
-        values = np.frombuffer(buffer, dtype=np.float16, count=count, offset=HEADER_BYTES)
-        bitmap = np.frombuffer(buffer, dtype=np.uint8, offset=HEADER_BYTES + 2 * count)
-        positions = np.flatnonzero(np.unpackbits(bitmap)[:numel])
-        if positions.size != count:
-            raise ValueError(f"sparse wire part: bitmap marks {positions.size} values, the part carries {count}")
-        return positions, values
-    raise ValueError(f"wire part of {len(buffer)} bytes for {numel} values: neither dense fp16 nor a sparse form")
 
 
 class Uniform8BitWire(Uniform8BitQuantization):

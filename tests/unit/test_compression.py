@@ -181,36 +181,40 @@ def test_bad_codec_settings_name_the_setting(kind, options, flag):
         make_codec(kind, **options)
 
 
-def test_the_sparse_wire_is_exact_and_a_few_percent_of_dense_fp16_both_ways():
-    """A peer's top-k 1 % part travels as (indices, values); the reply, with the union of three peers' supports,
-    as (bitmap, values); dense input as plain fp16, byte for byte."""
+def test_the_sparse_wire_is_exact_and_about_one_percent_of_dense_fp16_a_part_and_three_a_reply():
+    """A peer's top-k 1 % part travels as positions and 2-bit codes, about 10 bits a kept value (the index form
+    before took 48, 3.7 % of dense); the reply, with the union of three peers' supports and a few dozen distinct
+    values, about 14 bits a value (the bitmap form before took 9 %); dense input as plain fp16, byte for byte."""
     generator = torch.Generator().manual_seed(4)
     parts = [top_k_contribution(torch.randn(TOP_K_VALUES, generator=generator), 0.01, 2) for _ in range(3)]
     dense_bytes = serialized(parts[0], Float16Compression()).ByteSize()
     for part in parts:
         sent = serialized(part)
-        assert sent.ByteSize() <= 0.04 * dense_bytes
+        assert sent.ByteSize() <= 0.01 * dense_bytes
         assert torch.equal(WIRE.extract(sent), part)
     reply = sum(parts) / 3 - parts[0]
     answered = serialized(reply)
-    assert answered.ByteSize() <= 0.15 * dense_bytes
+    assert answered.ByteSize() <= 0.035 * dense_bytes
     assert torch.equal(WIRE.extract(answered), reply.half().float())
     dense = torch.randn(1000)
     assert serialized(dense) == serialized(dense, Float16Compression())
 
 
 def test_the_8bit_wire_keeps_matrices_and_long_vectors_within_a_few_percent_and_small_vectors_in_fp16():
-    wire = make_codec("8bit").wire
-    large, matrix, small = torch.randn(TOP_K_VALUES), torch.randn(128, 128), torch.randn(1000)
+    """8 bits over a Gaussian's range lose 1-2.5 % of its norm (300 seeds of each shape); seeded, one draw each."""
+    wire, generator = make_codec("8bit").wire, torch.Generator().manual_seed(8)
+    large, matrix, small = (torch.randn(shape, generator=generator) for shape in (TOP_K_VALUES, (128, 128), 1000))
     for tensor in (large, matrix):
         assert serialized(tensor, wire).compression == runtime_pb2.UNIFORM_8BIT
-        assert (wire.extract(serialized(tensor, wire)) - tensor).norm() < 0.02 * tensor.norm()
+        assert (wire.extract(serialized(tensor, wire)) - tensor).norm() < 0.03 * tensor.norm()
     assert torch.equal(wire.extract(serialized(small, wire)), small.half().float())
 
 
-def test_plain_hivemind_refuses_a_sparse_part_rather_than_misreading_it():
-    part = top_k_contribution(torch.randn(TOP_K_VALUES), 0.01, 2)
-    with pytest.raises(RuntimeError, match="shape"):
+@pytest.mark.parametrize("seed", range(4))
+def test_plain_hivemind_refuses_a_sparse_part_rather_than_misreading_it(seed):
+    """A coded part is never 2 bytes a value: hivemind's fp16 decoder fails on its odd length or on its shape."""
+    part = top_k_contribution(torch.randn(TOP_K_VALUES, generator=torch.Generator().manual_seed(seed)), 0.01, 2)
+    with pytest.raises((RuntimeError, ValueError), match="shape|multiple of element size"):
         deserialize_torch_tensor(serialized(part))
 
 
@@ -218,19 +222,18 @@ def sparse_part(buffer: bytes, size: tuple[int, ...], dtype: str = "float32") ->
     return runtime_pb2.Tensor(compression=runtime_pb2.FLOAT16, buffer=buffer, size=size, dtype=dtype)
 
 
-def index_form(indices: list[int], values: list[float]) -> bytes:
-    return np.uint32(1).tobytes() + np.array(indices, np.int32).tobytes() + np.array(values, np.float16).tobytes()
+ONE_VALUE = serialized(torch.tensor([0.0] * 99 + [1.0])).buffer  # a valid coded part of 100 values
 
 
 @pytest.mark.parametrize(
     ("part", "message"),
     [
-        (sparse_part(index_form([5, 2], [1, 1]), (100,)), "increase strictly"),
-        (sparse_part(index_form([3, 100], [1, 1]), (100,)), "inside the part"),
-        (sparse_part(index_form([0], [1]), (MAX_PART_VALUES + 1,)), "more than"),
-        (sparse_part(index_form([0], [1]), (100,), dtype="object"), "dtype"),
-        (sparse_part(np.uint32(2).tobytes() + np.float16(1).tobytes() + b"\x00" * 13, (100,)), "bitmap marks"),
-        (sparse_part(b"\x07\x00\x00\x00", (100,)), "neither dense fp16 nor a sparse form"),
+        (sparse_part(ONE_VALUE, (50,)), "a position outside the part"),
+        (sparse_part(ONE_VALUE, (MAX_PART_VALUES + 1,)), "more than"),
+        (sparse_part(ONE_VALUE, (100,), dtype="object"), "dtype"),
+        (sparse_part(ONE_VALUE[:-1], (100,)), "do not hold the 1 values"),
+        (sparse_part(b"\x07\x00\x00\x00", (100,)), "shorter than the sparse form's header"),
+        (sparse_part(b"\x01" + ONE_VALUE[1:], (100,)), "expected dense fp16 or the sparse form"),
     ],
 )
 def test_a_malformed_sparse_part_is_refused(part, message):
