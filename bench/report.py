@@ -303,6 +303,10 @@ def wan_section(wan: dict) -> str:
     name = f"low-communication H {shadow.get('local_steps')}, 8bit (shadow compute)"
     if "lowcomm" in shadow:
         modes += _with_its_alone_run(name, shadow["rate_mbit"], shadow["lowcomm"])
+    if "lowcomm_topk" in shadow:  # shares the 8-bit run's alone run, shown once
+        topk = shadow["lowcomm_topk"]
+        row = [f"low-communication H {shadow.get('local_steps')}, topk (shadow compute)", shadow["rate_mbit"], topk]
+        modes += [row] if "lowcomm" in shadow else _with_its_alone_run(row[0], row[1], topk)
     if "lowcomm_state_every_2" in shadow:  # the same peers with parameter rounds every second round
         run = shadow["lowcomm_state_every_2"]
         modes.append([f"{name}, parameter rounds every 2nd round", shadow["rate_mbit"], run])

@@ -175,7 +175,7 @@ class Plan:
     shadow_layers: int = 12
     shadow_seconds: float = 120.0
     # lowcomm_state_every_2, the parameter rounds of before 2026-11-26, runs when named (--shadow_modes)
-    shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm")
+    shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm", "lowcomm_topk")
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
     # both loss runs: at target 256 the default rate (0.2) plateaus, then diverges in both modes near 45,000 samples
     # (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-loss.md); 0.05 trains
@@ -528,8 +528,14 @@ def saved_losses(run: dict, held_out_loss: Callable[[Path], float]) -> dict:
 SHADOW_LOCAL_STEPS = 10
 
 
-# Each mode is divided by the same peers alone in that mode.
-SHADOW_ALONE_RUN = {"sync": "alone", "lowcomm": "lowcomm_alone", "lowcomm_state_every_2": "lowcomm_alone"}
+# Each mode is divided by the same peers alone in that mode (alone, a peer averages nothing: one alone run serves
+# every compression).
+SHADOW_ALONE_RUN = {
+    "sync": "alone",
+    "lowcomm": "lowcomm_alone",
+    "lowcomm_topk": "lowcomm_alone",
+    "lowcomm_state_every_2": "lowcomm_alone",
+}
 
 
 def shadow_runs(local_steps: int) -> dict[str, tuple[bool, list[str]]]:
@@ -540,6 +546,8 @@ def shadow_runs(local_steps: int) -> dict[str, tuple[bool, list[str]]]:
         "sync": (True, []),
         "lowcomm_alone": (False, lowcomm),
         "lowcomm": (True, lowcomm),
+        # top-k's traffic where the swarm's control traffic is a negligible share of it (a 124M-parameter model)
+        "lowcomm_topk": (True, lowcomm_flags(local_steps, "topk")),
         # the low-communication mode's parameter rounds as often as the synchronous mode's, as before 2026-11-26
         "lowcomm_state_every_2": (True, [*lowcomm, "--average_state_every", "2"]),
     }
@@ -616,7 +624,7 @@ def summarize(wan: dict) -> dict:
     summary: dict = {key: None for key in SUMMARY_KEYS}
     bits: dict = {}
     if wan.get("shadow"):
-        for mode in ("sync", "lowcomm"):
+        for mode in ("sync", "lowcomm", "lowcomm_topk"):
             if mode in wan["shadow"]:
                 bits[f"shadow_{mode}"] = wan["shadow"][mode]["bits_per_param_per_step"]
     scaled = wan.get("rate_scaled")

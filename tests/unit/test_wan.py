@@ -377,3 +377,21 @@ def test_loss_runs_stop_at_a_round_end_holding_the_samples_asked_for():
     assert outer_rounds_for(12_800, 50, 256) == 1
     assert outer_rounds_for(12_801, 50, 256) == 2
     assert outer_rounds_for(10, 50, 256) == 1
+
+
+def test_the_shadow_topk_run_has_its_row_after_the_8bit_one_and_its_bits_in_the_summary():
+    from bench.report import wan_section
+
+    figures = wan_figures({"H 50, 8bit": None})
+    alone = _run(120.0)
+    figures["shadow"] |= {
+        "local_steps": 10,
+        "lowcomm": _run(110.0, efficiency=0.917, bits_per_param_per_step=0.3, alone=alone),
+        "lowcomm_topk": _run(114.0, efficiency=0.95, bits_per_param_per_step=0.004, alone=alone),
+    }
+    assert summarize(figures)["bits_per_param_per_step"]["shadow_lowcomm_topk"] == 0.004
+    lines = wan_section(figures).splitlines()
+    eight_bit = next(i for i, line in enumerate(lines) if line.startswith("| low-communication H 10, 8bit (shadow"))
+    topk_row = "| low-communication H 10, topk (shadow compute) | 100.000 | 114.00 | 0.95 |"
+    assert lines[eight_bit + 1].startswith(topk_row)
+    assert sum(line.startswith("| alone, low-communication H 10") for line in lines) == 1  # one alone run, shown once
