@@ -150,6 +150,13 @@ def variant(local_steps: int, compression: str) -> tuple[str, list[str]]:
     return f"H {local_steps}, {compression}", lowcomm_flags(local_steps, compression)
 
 
+def loss_variant(flags: Sequence[str], local_steps: int | None, compression: str | None) -> tuple[str, ...]:
+    """The loss way's low-communication flags ``flags`` with H and compression replaced where given."""
+    local_steps = local_steps or int(flags[flags.index("--local_steps") + 1])
+    compression = compression or flags[flags.index("--pseudo_grad_compression") + 1]
+    return tuple(lowcomm_flags(local_steps, compression))
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """``H:COMPRESSION`` (``25:8bit``) as a variant; ValueError naming what to write instead."""
     h, _, compression = text.partition(":")
@@ -665,6 +672,12 @@ def main(argv=None) -> int:
         "its samples, in as many more rounds",
     )
     parser.add_argument(
+        "--loss_compression",
+        choices=CODEC_KINDS,
+        default=None,
+        help="pseudo-gradient compression of the loss way's low-communication run (8bit)",
+    )
+    parser.add_argument(
         "--lowcomm_variants",
         nargs="+",
         default=None,
@@ -680,10 +693,11 @@ def main(argv=None) -> int:
         except ValueError as error:
             parser.error(f"--lowcomm_variants: {error}")
         plan = dataclasses.replace(plan, lowcomm_variants=dict(variants))
-    if args.loss_local_steps is not None:
-        if not 1 <= args.loss_local_steps <= MAX_BENCH_LOCAL_STEPS:
-            parser.error(f"--loss_local_steps: must be 1 to {MAX_BENCH_LOCAL_STEPS} (got {args.loss_local_steps})")
-        plan = dataclasses.replace(plan, loss_variant=tuple(lowcomm_flags(args.loss_local_steps, "8bit")))
+    if args.loss_local_steps is not None and not 1 <= args.loss_local_steps <= MAX_BENCH_LOCAL_STEPS:
+        parser.error(f"--loss_local_steps: must be 1 to {MAX_BENCH_LOCAL_STEPS} (got {args.loss_local_steps})")
+    plan = dataclasses.replace(
+        plan, loss_variant=loss_variant(plan.loss_variant, args.loss_local_steps, args.loss_compression)
+    )
     if args.shadow_modes:
         plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))
     if args.shadow_seconds is not None:

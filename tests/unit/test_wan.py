@@ -305,6 +305,18 @@ def test_the_loss_runs_h_out_of_bounds_is_refused_in_one_line_before_anything_ru
         assert not (tmp_path / "logs").exists()
 
 
+def test_the_loss_runs_h_and_compression_each_replace_only_their_own_flag():
+    from bench.wan import FULL, loss_variant
+
+    def h_and_compression(flags):
+        return flags[flags.index("--local_steps") + 1], flags[flags.index("--pseudo_grad_compression") + 1]
+
+    assert loss_variant(FULL.loss_variant, None, None) == FULL.loss_variant
+    topk = loss_variant(FULL.loss_variant, None, "topk")
+    assert h_and_compression(topk) == ("50", "topk")
+    assert h_and_compression(loss_variant(topk, 25, None)) == ("25", "topk")
+
+
 def test_a_rate_scaled_variant_names_its_h_and_compression_and_bad_ones_are_refused_in_one_line(tmp_path):
     from bench.wan import parse_variant
 
