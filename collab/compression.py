@@ -62,6 +62,11 @@ CODEC_KINDS = ("fp16", "8bit", "topk")
 # dense (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md).
 DENSE_BELOW_VALUES = 2**16
 MAX_VALUE_BITS = 8
+# Top-k by a sampled threshold (largest_magnitudes) from this size on; the sample's 2**16 magnitudes put the
+# threshold within a few tenths of a percent of the exact quantile, so a margin of 1.5 keeps enough candidates.
+SAMPLED_TOP_K_MIN_VALUES = 2**20
+TOP_K_SAMPLE = 2**16
+TOP_K_MARGIN = 1.5
 MAX_PART_VALUES = 2**26  # a sparse part claims its own size: bound what a groupmate can make this peer allocate
 WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 FP16_MAX = torch.finfo(torch.float16).max
@@ -247,6 +252,28 @@ class WireAveragerMixin:
 
 
 @torch.no_grad()
+def largest_magnitudes(flat: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` largest magnitudes of the vector ``flat`` and their positions, as ``flat.abs().topk(count)``.
+
+    On large tensors a threshold read from a sample of magnitudes keeps about TOP_K_MARGIN x ``count`` candidates
+    and the top-k runs among them (about 5x faster on GPT-2's embedding, one CPU thread): the same values, found
+    in the whole tensor again when the sample's threshold kept too few."""
+    magnitudes = flat.abs()
+    numel = flat.numel()
+    kept_share = TOP_K_MARGIN * count / numel
+    if numel < SAMPLED_TOP_K_MIN_VALUES or kept_share > 0.5:
+        return magnitudes.topk(count, sorted=False)
+    generator = torch.Generator().manual_seed(numel)  # the same sample every round: no run-to-run noise
+    sample = magnitudes[torch.randint(numel, (TOP_K_SAMPLE,), generator=generator).to(flat.device)]
+    threshold = sample.kthvalue(TOP_K_SAMPLE - math.ceil(kept_share * TOP_K_SAMPLE)).values
+    candidates = (magnitudes >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < count:
+        return magnitudes.topk(count, sorted=False)
+    values, among = magnitudes[candidates].topk(count, sorted=False)
+    return values, candidates[among]
+
+
+@torch.no_grad()
 def top_k_contribution(held_back: torch.Tensor, fraction: float, value_bits: int) -> torch.Tensor:
     """The largest ``fraction`` of ``held_back`` by magnitude (at least one value), each as sign times one of
     ``2**(value_bits - 1)`` levels of one per-tensor scale, zeros elsewhere.
@@ -256,7 +283,7 @@ def top_k_contribution(held_back: torch.Tensor, fraction: float, value_bits: int
     stays held back): no held-back value ever grows in magnitude."""
     flat = held_back.reshape(-1).float()
     count = max(1, round(fraction * flat.numel()))
-    magnitudes, positions = flat.abs().topk(count, sorted=False)
+    magnitudes, positions = largest_magnitudes(flat, count)
     top_level = 2 ** (value_bits - 1)
     scale = min(magnitudes.mean().item() * 2 / (top_level + 1), FP16_MAX / top_level)
     scale = torch.tensor(scale, dtype=torch.float16).item()

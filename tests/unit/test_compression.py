@@ -23,11 +23,13 @@ from collab.compression import (
     CODEC_KINDS,
     DENSE_BELOW_VALUES,
     MAX_PART_VALUES,
+    TOP_K_SAMPLE,
     SparseFloat16Wire,
     WireAveragerMixin,
     as_raw_part,
     encode_reply,
     extract_wire_tensor,
+    largest_magnitudes,
     make_codec,
     top_k_contribution,
 )
@@ -121,6 +123,31 @@ def test_top_k_keeps_the_largest_values_with_value_bits_levels_exact_in_fp16():
         assert (contribution[kept].sign() == values[kept].sign()).all()
         assert contribution.abs().unique().numel() <= 2 ** (value_bits - 1) + 1  # levels and 0
         assert torch.equal(contribution.half().float(), contribution)
+
+
+def sampled_positions(numel: int) -> torch.Tensor:
+    """The positions ``largest_magnitudes`` samples in a tensor of ``numel`` values, drawn as it draws them."""
+    return torch.randint(numel, (TOP_K_SAMPLE,), generator=torch.Generator().manual_seed(numel))
+
+
+@pytest.mark.parametrize("case", ["gaussian", "ties", "sample_fooled", "small"])
+def test_the_sampled_top_k_finds_what_a_full_top_k_finds(case):
+    """The same magnitudes as ``abs().topk``: on a Gaussian (the sampled path), with many ties at the threshold, on
+    a tensor whose sampled positions alone hold large values (too few candidates: the full top-k again), and below
+    the sampled path's size."""
+    numel, count = 2**21, 2**21 // 100
+    values = torch.randn(numel if case != "small" else 1000, generator=torch.Generator().manual_seed(3))
+    if case == "ties":
+        values = values.round()  # a few dozen distinct magnitudes
+    if case == "sample_fooled":
+        values = torch.ones(numel)
+        values[sampled_positions(numel)] = 10.0
+        count = numel // 10  # more than the sample's positions
+    count = min(count, values.numel() // 10)
+    magnitudes, positions = largest_magnitudes(values, count)
+    assert positions.unique().numel() == count and torch.equal(values[positions].abs(), magnitudes)
+    expected = values.abs().topk(count).values
+    assert torch.equal(magnitudes.sort(descending=True).values, expected)
 
 
 def test_small_tensors_go_dense_fp16_with_the_rounding_held_back():
