@@ -38,7 +38,7 @@ class MalformedPart(ValueError):
 
 def encode(values: np.ndarray) -> bytes:
     """The coded form of the fp16 vector ``values`` (zeros are left out, -0.0 included)."""
-    positions = np.flatnonzero(values)
+    positions = np.flatnonzero(values.view(np.uint16) & 0x7FFF)  # the bits, not fp16 compares (10x slower in numpy)
     kept = values[positions]
     palette, codes, code_bits = _palette_codes(kept)
     gaps = np.diff(positions, prepend=-1) - 1
