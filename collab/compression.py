@@ -19,7 +19,7 @@ its hivemind class: it decodes every part this peer receives (as a reducer and a
 loudly on a sparse part (its length matches no dense part), never misreads it.
 
 Operators: at ``topk_fraction`` 0.01 and ``value_bits`` 2 a peer's parts take about 10 bits per kept value (0.7 %
-of fp16's bytes) and the replies, with the group's union of supports, about 14 bits per non-zero: in all 1.4 % of
+of fp16's bytes) and the replies, with the group's union of supports, about 14 bits per non-zero: in all 1.5 % of
 fp16's traffic in a group of 3 (``python -m bench.compression``). Raise ``topk_fraction`` if the loss lags the dense
 modes; lower it if rounds stall on the link.
 """

@@ -51,13 +51,13 @@ def round_target_samples(local_steps: int, target_batch_size: int) -> int:
 # test_parameter_rounds.py) at a quarter less traffic than every epoch (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
 SYNC_PARAMETER_ROUND_EVERY = 2
 # Low-communication mode: a parameter round carries the anchor in fp16, 2 bytes a value, while a pseudo-gradient
-# round carries 2 (fp16), 1 (8bit) or about 1.4 % of fp16 (topk, ``python -m bench.compression``). Every second round,
+# round carries 2 (fp16), 1 (8bit) or about 1.5 % of fp16 (topk, ``python -m bench.compression``). Every second round,
 # parameter rounds were the link's largest load (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md); they only
 # repair a peer that missed a round, so they come as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the
 # pseudo-gradients' bytes, or every MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays unrepaired
 # (topk reaches it: its parameter rounds come to about twice its pseudo-gradients' bytes).
 PARAMETER_ROUND_BYTES_PER_VALUE = 2.0
-PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.028}
+PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.029}
 PARAMETER_TRAFFIC_SHARE = 0.25
 MAX_PARAMETER_ROUND_EVERY = 32
 

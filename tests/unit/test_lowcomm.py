@@ -253,7 +253,7 @@ def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_betwee
     # 4 bytes a value (anchor and momentum in fp16) at most a quarter of the pseudo-gradients' bytes per round
     assert parameter_round_every(None, 10, "fp16") == 4  # 2 / (0.25 x 2)
     assert parameter_round_every(None, 10, "8bit") == 8  # 2 / (0.25 x 1)
-    assert parameter_round_every(None, 50, "topk") == 32  # 2 / (0.25 x 0.028) = 286, capped
+    assert parameter_round_every(None, 50, "topk") == 32  # 2 / (0.25 x 0.029) = 276, capped
     assert parameter_round_every(3, 50, "topk") == 3  # the flag wins
     assert parameter_round_every(1, 0, "fp16") == 1
 
