@@ -150,21 +150,31 @@ def variant(local_steps: int, compression: str) -> tuple[str, list[str]]:
     return f"H {local_steps}, {compression}", lowcomm_flags(local_steps, compression)
 
 
-def loss_variant(flags: Sequence[str], local_steps: int | None, compression: str | None) -> tuple[str, ...]:
-    """The loss way's low-communication flags ``flags`` with H and compression replaced where given."""
-    local_steps = local_steps or int(flags[flags.index("--local_steps") + 1])
-    compression = compression or flags[flags.index("--pseudo_grad_compression") + 1]
-    return tuple(lowcomm_flags(local_steps, compression))
-
-
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """``H:COMPRESSION`` (``25:8bit``) as a variant; ValueError naming what to write instead."""
-    h, _, compression = text.partition(":")
+    """``H:COMPRESSION`` (``25:8bit``), or ``H:topk:FRACTION`` (``25:topk:0.03``, top-k's ``--topk_fraction``), as a
+    variant; ValueError naming what to write instead."""
+    h, _, rest = text.partition(":")
+    compression, colon, fraction = rest.partition(":")
     h_ok = h.isascii() and h.isdigit() and 1 <= int(h) <= MAX_BENCH_LOCAL_STEPS
-    if not h_ok or compression not in CODEC_KINDS:
+    fraction_ok = not colon or (compression == "topk" and _is_fraction(fraction))
+    if not h_ok or compression not in CODEC_KINDS or not fraction_ok:
         kinds = ", ".join(CODEC_KINDS)
-        raise ValueError(f"{text!r} must be H:COMPRESSION, H 1 to {MAX_BENCH_LOCAL_STEPS}, compression one of {kinds}")
-    return variant(int(h), compression)
+        raise ValueError(
+            f"{text!r} must be H:COMPRESSION or H:topk:FRACTION, H 1 to {MAX_BENCH_LOCAL_STEPS}, compression one of "
+            f"{kinds}, FRACTION in (0, 1]"
+        )
+    name, flags = variant(int(h), compression)
+    if colon:
+        return f"{name} {float(fraction):g}", [*flags, "--topk_fraction", f"{float(fraction):g}"]
+    return name, flags
+
+
+def _is_fraction(text: str) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return text.isascii() and 0 < value <= 1
 
 
 @dataclasses.dataclass
@@ -672,18 +682,20 @@ def main(argv=None) -> int:
         "its samples, in as many more rounds",
     )
     parser.add_argument(
-        "--loss_compression",
-        choices=CODEC_KINDS,
+        "--loss_variant",
         default=None,
-        help="pseudo-gradient compression of the loss way's low-communication run (8bit)",
+        metavar="H:COMPRESSION[:FRACTION]",
+        help="the loss way's low-communication run, as --lowcomm_variants writes one (50:8bit; 25:topk:0.03); "
+        "instead of --loss_local_steps",
     )
     parser.add_argument(
         "--lowcomm_variants",
         nargs="+",
         default=None,
-        metavar="H:COMPRESSION",
-        help="the rate-scaled way's low-communication runs, H and pseudo-gradient compression each "
-        f"(50:8bit 50:topk; quick 5:8bit); compression one of {', '.join(CODEC_KINDS)}",
+        metavar="H:COMPRESSION[:FRACTION]",
+        help="the rate-scaled way's low-communication runs, H and pseudo-gradient compression each, top-k's "
+        f"fraction after a third colon (50:8bit 50:topk 50:topk:0.03; quick 5:8bit); compression one of "
+        f"{', '.join(CODEC_KINDS)}",
     )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -695,9 +707,15 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, lowcomm_variants=dict(variants))
     if args.loss_local_steps is not None and not 1 <= args.loss_local_steps <= MAX_BENCH_LOCAL_STEPS:
         parser.error(f"--loss_local_steps: must be 1 to {MAX_BENCH_LOCAL_STEPS} (got {args.loss_local_steps})")
-    plan = dataclasses.replace(
-        plan, loss_variant=loss_variant(plan.loss_variant, args.loss_local_steps, args.loss_compression)
-    )
+    if args.loss_local_steps is not None:
+        plan = dataclasses.replace(plan, loss_variant=tuple(lowcomm_flags(args.loss_local_steps, "8bit")))
+    if args.loss_variant is not None:
+        if args.loss_local_steps is not None:
+            parser.error("--loss_variant: give it or --loss_local_steps, not both")
+        try:
+            plan = dataclasses.replace(plan, loss_variant=tuple(parse_variant(args.loss_variant)[1]))
+        except ValueError as error:
+            parser.error(f"--loss_variant: {error}")
     if args.shadow_modes:
         plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))
     if args.shadow_seconds is not None:

@@ -295,26 +295,22 @@ def test_shadow_peer_refuses_a_bad_flag_in_one_line_and_writes_nothing(tmp_path)
     assert not steps.exists()
 
 
-def test_the_loss_runs_h_out_of_bounds_is_refused_in_one_line_before_anything_runs(tmp_path):
-    for bad in ("0", "1001"):
-        command = [sys.executable, "-m", "bench.wan", "--ways", "loss", "--log_dir", str(tmp_path / "logs")]
-        result = subprocess.run([*command, "--loss_local_steps", bad], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2
-        lines = result.stderr.strip().splitlines()
-        assert lines[-1].startswith("python -m bench.wan: error:") and "--loss_local_steps" in lines[-1], lines
-        assert not (tmp_path / "logs").exists()
-
-
-def test_the_loss_runs_h_and_compression_each_replace_only_their_own_flag():
-    from bench.wan import FULL, loss_variant
-
-    def h_and_compression(flags):
-        return flags[flags.index("--local_steps") + 1], flags[flags.index("--pseudo_grad_compression") + 1]
-
-    assert loss_variant(FULL.loss_variant, None, None) == FULL.loss_variant
-    topk = loss_variant(FULL.loss_variant, None, "topk")
-    assert h_and_compression(topk) == ("50", "topk")
-    assert h_and_compression(loss_variant(topk, 25, None)) == ("25", "topk")
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--loss_local_steps", "0"], "--loss_local_steps"),
+        (["--loss_local_steps", "1001"], "--loss_local_steps"),
+        (["--loss_variant", "25:topk:2"], "--loss_variant: '25:topk:2'"),
+        (["--loss_variant", "25:topk", "--loss_local_steps", "25"], "--loss_variant: give it or --loss_local_steps"),
+    ],
+)
+def test_the_loss_runs_bad_h_or_variant_is_refused_in_one_line_before_anything_runs(tmp_path, flags, named):
+    command = [sys.executable, "-m", "bench.wan", "--ways", "loss", "--log_dir", str(tmp_path / "logs")]
+    result = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("python -m bench.wan: error:") and named in lines[-1], lines
+    assert not (tmp_path / "logs").exists()
 
 
 def test_a_rate_scaled_variant_names_its_h_and_compression_and_bad_ones_are_refused_in_one_line(tmp_path):
@@ -325,8 +321,13 @@ def test_a_rate_scaled_variant_names_its_h_and_compression_and_bad_ones_are_refu
         ["--local_steps", "25", "--outer_learning_rate", "0.7", "--outer_momentum", "0.9"]
         + ["--pseudo_grad_compression", "8bit"],
     )
-    for bad in ("25", "0:8bit", "1001:topk", "25:int4", "\uff12\uff15:8bit", ":8bit"):
-        with pytest.raises(ValueError, match="must be H:COMPRESSION"):
+    assert parse_variant("25:topk:0.03") == (
+        "H 25, topk 0.03",
+        [*parse_variant("25:topk")[1], "--topk_fraction", "0.03"],
+    )
+    bad_ones = ("25", "0:8bit", "1001:topk", "25:int4", "\uff12\uff15:8bit", ":8bit", "25:8bit:0.03", "25:topk:0")
+    for bad in (*bad_ones, "25:topk:1.5", "25:topk:nan", "25:topk:\uff10.5", "25:topk:"):
+        with pytest.raises(ValueError, match="must be H:COMPRESSION or H:topk:FRACTION"):
             parse_variant(bad)
     command = [sys.executable, "-m", "bench.wan", "--ways", "rate_scaled", "--log_dir", str(tmp_path / "logs")]
     result = subprocess.run(
