@@ -433,3 +433,5 @@ def test_the_bench_measures_gpt2_small_and_top_k_moves_a_tenth_of_fp16s_bytes():
     fp16, topk = (measure(kind, shapes, peers=3, seed=0) for kind in ("fp16", "topk"))
     assert topk["bytes_per_param_per_round"] < 0.1 * fp16["bytes_per_param_per_round"]
     assert topk["wire_relative_error"] < 1e-3 < topk["round_relative_error"]
+    three_percent = measure("topk", shapes, peers=3, seed=0, topk_fraction=0.03)
+    assert three_percent["bytes_per_param_per_round"] > 2 * topk["bytes_per_param_per_round"]
