@@ -305,7 +305,9 @@ def wan_section(wan: dict) -> str:
         modes += _with_its_alone_run(name, shadow["rate_mbit"], shadow["lowcomm"])
     if "lowcomm_topk" in shadow:  # shares the 8-bit run's alone run, shown once
         topk = shadow["lowcomm_topk"]
-        row = [f"low-communication H {shadow.get('local_steps')}, topk (shadow compute)", shadow["rate_mbit"], topk]
+        fraction = shadow.get("topk_fraction")
+        kind = f"topk {fraction:g}" if fraction else "topk"
+        row = [f"low-communication H {shadow.get('local_steps')}, {kind} (shadow compute)", shadow["rate_mbit"], topk]
         modes += [row] if "lowcomm" in shadow else _with_its_alone_run(row[0], row[1], topk)
     if "lowcomm_state_every_2" in shadow:  # the same peers with parameter rounds every second round
         run = shadow["lowcomm_state_every_2"]

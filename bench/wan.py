@@ -45,6 +45,7 @@ FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per 
 # H of any bench run (the trainer takes more): a round of 1000 x 256 samples already outlasts a loss run's samples,
 # and a window's many times over
 MAX_BENCH_LOCAL_STEPS = 1000
+DEFAULT_TOPK_FRACTION = 0.01  # run_trainer.py's --topk_fraction default
 FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
 SUMMARY_KEYS = ("wan_efficiency_sync", "wan_efficiency_lowcomm", "bits_per_param_per_step", "lowcomm_loss_ratio")
 
@@ -193,6 +194,7 @@ class Plan:
     shadow_seconds: float = 120.0
     # lowcomm_state_every_2, the parameter rounds of before 2026-11-26, runs when named (--shadow_modes)
     shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm", "lowcomm_topk")
+    shadow_topk_fraction: float = DEFAULT_TOPK_FRACTION
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
     # both loss runs: at target 256 the default rate (0.2) plateaus, then diverges in both modes near 45,000 samples
     # (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-loss.md); 0.05 trains
@@ -555,7 +557,7 @@ SHADOW_ALONE_RUN = {
 }
 
 
-def shadow_runs(local_steps: int) -> dict[str, tuple[bool, list[str]]]:
+def shadow_runs(local_steps: int, topk_fraction: float = DEFAULT_TOPK_FRACTION) -> dict[str, tuple[bool, list[str]]]:
     """The shadow way's runs in order: {name: (peers together, their own flags)}."""
     lowcomm = lowcomm_flags(local_steps, "8bit")
     return {
@@ -564,7 +566,7 @@ def shadow_runs(local_steps: int) -> dict[str, tuple[bool, list[str]]]:
         "lowcomm_alone": (False, lowcomm),
         "lowcomm": (True, lowcomm),
         # top-k's traffic where the swarm's control traffic is a negligible share of it (a 124M-parameter model)
-        "lowcomm_topk": (True, lowcomm_flags(local_steps, "topk")),
+        "lowcomm_topk": (True, [*lowcomm_flags(local_steps, "topk"), "--topk_fraction", f"{topk_fraction:g}"]),
         # the low-communication mode's parameter rounds as often as the synchronous mode's, as before 2026-11-26
         "lowcomm_state_every_2": (True, [*lowcomm, "--average_state_every", "2"]),
     }
@@ -581,7 +583,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     flags += link_flags(SETTING.link_mbit)
     with hub_network(plan.shadow_peers, FAST_LINK_MBIT, FAST_LINK_MBIT, prefix="wansh", subnet="10.78.1") as network:
         runs = {}
-        for mode, (together, extra) in shadow_runs(SHADOW_LOCAL_STEPS).items():
+        for mode, (together, extra) in shadow_runs(SHADOW_LOCAL_STEPS, plan.shadow_topk_fraction).items():
             if mode not in plan.shadow_modes:
                 continue
             runs[mode] = run_swarm(
@@ -600,6 +602,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
         "micro_batch_s": micro_s,
         "rate_mbit": SETTING.link_mbit,
         "local_steps": SHADOW_LOCAL_STEPS,
+        "topk_fraction": plan.shadow_topk_fraction,
         **({"alone": _public(runs["alone"])} if "alone" in runs else {}),
         **shadow_together(runs, numel),
     }
@@ -672,6 +675,12 @@ def main(argv=None) -> int:
         help="the shadow way's runs (all but lowcomm_state_every_2)",
     )
     parser.add_argument(
+        "--shadow_topk_fraction",
+        type=float,
+        default=None,
+        help=f"--topk_fraction of the shadow way's lowcomm_topk run, in (0, 1] ({DEFAULT_TOPK_FRACTION})",
+    )
+    parser.add_argument(
         "--shadow_seconds", type=float, default=None, help="measured window of each shadow run (120; quick 30)"
     )
     parser.add_argument(
@@ -718,6 +727,10 @@ def main(argv=None) -> int:
             parser.error(f"--loss_variant: {error}")
     if args.shadow_modes:
         plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))
+    if args.shadow_topk_fraction is not None:
+        if not 0 < args.shadow_topk_fraction <= 1:
+            parser.error(f"--shadow_topk_fraction: must be in (0, 1] (got {args.shadow_topk_fraction:g})")
+        plan = dataclasses.replace(plan, shadow_topk_fraction=args.shadow_topk_fraction)
     if args.shadow_seconds is not None:
         if not 10 <= args.shadow_seconds <= 3600:
             parser.error(f"--shadow_seconds: must be 10 to 3600 seconds (got {args.shadow_seconds:g})")

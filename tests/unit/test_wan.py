@@ -302,9 +302,10 @@ def test_shadow_peer_refuses_a_bad_flag_in_one_line_and_writes_nothing(tmp_path)
         (["--loss_local_steps", "1001"], "--loss_local_steps"),
         (["--loss_variant", "25:topk:2"], "--loss_variant: '25:topk:2'"),
         (["--loss_variant", "25:topk", "--loss_local_steps", "25"], "--loss_variant: give it or --loss_local_steps"),
+        (["--shadow_topk_fraction", "0"], "--shadow_topk_fraction: must be in (0, 1]"),
     ],
 )
-def test_the_loss_runs_bad_h_or_variant_is_refused_in_one_line_before_anything_runs(tmp_path, flags, named):
+def test_a_bad_h_variant_or_fraction_is_refused_in_one_line_before_anything_runs(tmp_path, flags, named):
     command = [sys.executable, "-m", "bench.wan", "--ways", "loss", "--log_dir", str(tmp_path / "logs")]
     result = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
@@ -394,17 +395,21 @@ def test_loss_runs_stop_at_a_round_end_holding_the_samples_asked_for():
 
 def test_the_shadow_topk_run_has_its_row_after_the_8bit_one_and_its_bits_in_the_summary():
     from bench.report import wan_section
+    from bench.wan import shadow_runs
+
+    assert shadow_runs(10, 0.03)["lowcomm_topk"][1][-2:] == ["--topk_fraction", "0.03"]
 
     figures = wan_figures({"H 50, 8bit": None})
     alone = _run(120.0)
     figures["shadow"] |= {
         "local_steps": 10,
+        "topk_fraction": 0.03,
         "lowcomm": _run(110.0, efficiency=0.917, bits_per_param_per_step=0.3, alone=alone),
         "lowcomm_topk": _run(114.0, efficiency=0.95, bits_per_param_per_step=0.004, alone=alone),
     }
     assert summarize(figures)["bits_per_param_per_step"]["shadow_lowcomm_topk"] == 0.004
     lines = wan_section(figures).splitlines()
     eight_bit = next(i for i, line in enumerate(lines) if line.startswith("| low-communication H 10, 8bit (shadow"))
-    topk_row = "| low-communication H 10, topk (shadow compute) | 100.000 | 114.00 | 0.95 |"
+    topk_row = "| low-communication H 10, topk 0.03 (shadow compute) | 100.000 | 114.00 | 0.95 |"
     assert lines[eight_bit + 1].startswith(topk_row)
     assert sum(line.startswith("| alone, low-communication H 10") for line in lines) == 1  # one alone run, shown once
