@@ -86,17 +86,21 @@ def decode(buffer: bytes, numel: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _palette_codes(kept: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """(palette, codes, code bits) for ``kept`` where at most MAX_PALETTE finite values repeat; else no palette."""
+    """(palette, codes, code bits) for ``kept`` where at most MAX_PALETTE finite values repeat; else no palette.
+
+    Built on the values' bits: numpy 2.4's sort of fp16 misorders some arrays of few values repeated thousands of
+    times (a reply of top-k parts), and its unique then repeats values and misplaces codes."""
     none = np.zeros(0, np.float16), np.zeros(0, np.uint8), 0
     if not np.isfinite(kept).all():
         return none
-    palette = np.unique(kept)
-    if palette.size > MAX_PALETTE:
+    bits = kept.view(np.uint16)
+    palette_bits = np.unique(bits)
+    if palette_bits.size > MAX_PALETTE:
         return none
-    code_bits = max(1, math.ceil(math.log2(palette.size))) if palette.size else 1
-    if kept.size * code_bits + 16 * palette.size >= 16 * kept.size:
+    code_bits = max(1, math.ceil(math.log2(palette_bits.size))) if palette_bits.size else 1
+    if kept.size * code_bits + 16 * palette_bits.size >= 16 * kept.size:
         return none  # the palette and codes cost more than fp16 values
-    return palette, np.searchsorted(palette, kept).astype(np.uint8), code_bits
+    return palette_bits.view(np.float16), np.searchsorted(palette_bits, bits).astype(np.uint8), code_bits
 
 
 def _best_rice_k(gaps: np.ndarray) -> int:
