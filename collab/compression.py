@@ -89,8 +89,8 @@ class SparseFloat16Wire(Float16Compression):
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         dense = super().compress(tensor, info, allow_inplace=False)
-        coded = sparse_form.encode(np.frombuffer(dense.buffer, dtype=np.float16))
-        if len(coded) < len(dense.buffer):
+        coded = sparse_form.encode(np.frombuffer(dense.buffer, dtype=np.float16), shorter_than=len(dense.buffer))
+        if coded is not None:
             dense.buffer = coded
         return dense
 

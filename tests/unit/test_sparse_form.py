@@ -34,6 +34,16 @@ def test_non_finite_values_and_long_gaps_come_back():
     assert np.array_equal(out, values, equal_nan=True)
 
 
+def test_a_form_not_shorter_than_asked_is_refused_and_a_shorter_one_is_unchanged():
+    rng = np.random.default_rng(5)
+    dense = rng.standard_normal(10_000).astype(np.float16)
+    assert sparse_form.encode(dense, shorter_than=dense.nbytes) is None  # refused before the costly steps
+    sparse = np.where(rng.random(10_000) < 0.01, dense, 0).astype(np.float16)
+    coded = sparse_form.encode(sparse)
+    assert sparse_form.encode(sparse, shorter_than=len(coded) + 1) == coded
+    assert sparse_form.encode(sparse, shorter_than=len(coded)) is None
+
+
 def test_a_top_k_part_costs_about_ten_bits_a_kept_value():
     """1 % of the values, at four signed levels of one scale: 2-bit codes and about 8 bits of position each (int32
     indices and fp16 values, the earlier form, took 48)."""
