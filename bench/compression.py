@@ -47,9 +47,10 @@ def parts_of(tensor: torch.Tensor, index: int, wire) -> Iterator[tuple[torch.Ten
         yield part, info.get_part(part_index, part_values)
 
 
-def measure(kind: str, shapes: list[tuple[int, ...]], peers: int, seed: int, topk_fraction: float = 0.01) -> dict:
-    """One round of ``peers`` codecs of ``kind`` on random pseudo-gradients of ``shapes``, as seen by peer 0."""
-    codecs = [make_codec(kind, topk_fraction=topk_fraction) for _ in range(peers)]
+def measure(kind: str, shapes: list[tuple[int, ...]], peers: int, seed: int, **codec_options) -> dict:
+    """One round of ``peers`` codecs of ``kind`` (``make_codec(kind, **codec_options)``) on random pseudo-gradients
+    of ``shapes``, as seen by peer 0."""
+    codecs = [make_codec(kind, **codec_options) for _ in range(peers)]
     generator = torch.Generator().manual_seed(seed)
     link_bytes = 0.0
     squared = {"wire_error": 0.0, "round_error": 0.0, "contributed_mean": 0.0, "pseudo_grad_mean": 0.0}
@@ -87,22 +88,25 @@ def main(argv=None) -> None:
     parser.add_argument("--peers", type=int, default=3, help="peers in the all-reduce group (2 to 64)")
     parser.add_argument("--layers", type=int, default=12, help="transformer blocks (GPT-2 small has 12; 1 to 48)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random pseudo-gradients")
-    parser.add_argument("--topk_fraction", type=float, default=0.01, help="topk's kept fraction, in (0, 1]")
+    parser.add_argument("--topk_fraction", type=float, default=None, help="topk's kept fraction, in (0, 1]")
     args = parser.parse_args(argv)
     if not 2 <= args.peers <= 64:
         parser.error("--peers must be from 2 to 64")
     if not 1 <= args.layers <= 48:
         parser.error("--layers must be from 1 to 48")
-    if not 0 < args.topk_fraction <= 1:
-        parser.error("--topk_fraction must be in (0, 1]")
+    options = {} if args.topk_fraction is None else {"topk_fraction": args.topk_fraction}
+    try:
+        topk_fraction = make_codec("topk", **options).topk_fraction
+    except ValueError as error:
+        parser.error(str(error))
     shapes = gpt2_small_shapes(args.layers)
     started = time.monotonic()
-    kinds = {kind: measure(kind, shapes, args.peers, args.seed, args.topk_fraction) for kind in CODEC_KINDS}
+    kinds = {kind: measure(kind, shapes, args.peers, args.seed, **options) for kind in CODEC_KINDS}
     summary = {
         "model": f"gpt2-small shapes, {args.layers} layers",
         "params": sum(math.prod(shape) for shape in shapes),
         "peers": args.peers,
-        "topk_fraction": args.topk_fraction,
+        "topk_fraction": topk_fraction,
         "kinds": kinds,
         "seconds": round(time.monotonic() - started, 1),
     }

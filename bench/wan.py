@@ -38,14 +38,13 @@ from bench.procs import (
     read_json_lines,
     wait_for,
 )
-from collab.compression import CODEC_KINDS
+from collab.compression import CODEC_KINDS, make_codec
 from collab.lowcomm import round_target_samples
 
 FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per parameter per token
 # H of any bench run (the trainer takes more): a round of 1000 x 256 samples already outlasts a loss run's samples,
 # and a window's many times over
 MAX_BENCH_LOCAL_STEPS = 1000
-DEFAULT_TOPK_FRACTION = 0.01  # run_trainer.py's --topk_fraction default
 FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
 SUMMARY_KEYS = ("wan_efficiency_sync", "wan_efficiency_lowcomm", "bits_per_param_per_step", "lowcomm_loss_ratio")
 
@@ -157,7 +156,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     h, _, rest = text.partition(":")
     compression, colon, fraction = rest.partition(":")
     h_ok = h.isascii() and h.isdigit() and 1 <= int(h) <= MAX_BENCH_LOCAL_STEPS
-    fraction_ok = not colon or (compression == "topk" and _is_fraction(fraction))
+    fraction_ok = not colon or (compression == "topk" and _is_topk_fraction(fraction))
     if not h_ok or compression not in CODEC_KINDS or not fraction_ok:
         kinds = ", ".join(CODEC_KINDS)
         raise ValueError(
@@ -170,12 +169,13 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, flags
 
 
-def _is_fraction(text: str) -> bool:
+def _is_topk_fraction(text: str) -> bool:
+    """Whether ``text`` is a plain number that ``--topk_fraction`` takes (``make_codec`` holds the rule)."""
     try:
-        value = float(text)
+        make_codec("topk", topk_fraction=float(text))
     except ValueError:
         return False
-    return text.isascii() and 0 < value <= 1
+    return text.isascii()
 
 
 @dataclasses.dataclass
@@ -194,7 +194,7 @@ class Plan:
     shadow_seconds: float = 120.0
     # lowcomm_state_every_2, the parameter rounds of before 2026-11-26, runs when named (--shadow_modes)
     shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm", "lowcomm_topk")
-    shadow_topk_fraction: float = DEFAULT_TOPK_FRACTION
+    shadow_topk_fraction: float | None = None  # None: the trainer's default
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
     # both loss runs: at target 256 the default rate (0.2) plateaus, then diverges in both modes near 45,000 samples
     # (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-loss.md); 0.05 trains
@@ -557,16 +557,19 @@ SHADOW_ALONE_RUN = {
 }
 
 
-def shadow_runs(local_steps: int, topk_fraction: float = DEFAULT_TOPK_FRACTION) -> dict[str, tuple[bool, list[str]]]:
+def shadow_runs(local_steps: int, topk_fraction: float | None = None) -> dict[str, tuple[bool, list[str]]]:
     """The shadow way's runs in order: {name: (peers together, their own flags)}."""
     lowcomm = lowcomm_flags(local_steps, "8bit")
+    topk = lowcomm_flags(local_steps, "topk")
+    if topk_fraction is not None:
+        topk += ["--topk_fraction", f"{topk_fraction:g}"]
     return {
         "alone": (False, []),
         "sync": (True, []),
         "lowcomm_alone": (False, lowcomm),
         "lowcomm": (True, lowcomm),
         # top-k's traffic where the swarm's control traffic is a negligible share of it (a 124M-parameter model)
-        "lowcomm_topk": (True, [*lowcomm_flags(local_steps, "topk"), "--topk_fraction", f"{topk_fraction:g}"]),
+        "lowcomm_topk": (True, topk),
         # the low-communication mode's parameter rounds as often as the synchronous mode's, as before 2026-11-26
         "lowcomm_state_every_2": (True, [*lowcomm, "--average_state_every", "2"]),
     }
@@ -678,7 +681,7 @@ def main(argv=None) -> int:
         "--shadow_topk_fraction",
         type=float,
         default=None,
-        help=f"--topk_fraction of the shadow way's lowcomm_topk run, in (0, 1] ({DEFAULT_TOPK_FRACTION})",
+        help="--topk_fraction of the shadow way's lowcomm_topk run, in (0, 1] (the trainer's default)",
     )
     parser.add_argument(
         "--shadow_seconds", type=float, default=None, help="measured window of each shadow run (120; quick 30)"
@@ -728,8 +731,10 @@ def main(argv=None) -> int:
     if args.shadow_modes:
         plan = dataclasses.replace(plan, shadow_modes=tuple(args.shadow_modes))
     if args.shadow_topk_fraction is not None:
-        if not 0 < args.shadow_topk_fraction <= 1:
-            parser.error(f"--shadow_topk_fraction: must be in (0, 1] (got {args.shadow_topk_fraction:g})")
+        try:
+            make_codec("topk", topk_fraction=args.shadow_topk_fraction)
+        except ValueError as error:
+            parser.error(f"--shadow_topk_fraction: {error}")
         plan = dataclasses.replace(plan, shadow_topk_fraction=args.shadow_topk_fraction)
     if args.shadow_seconds is not None:
         if not 10 <= args.shadow_seconds <= 3600:

@@ -302,7 +302,7 @@ def test_shadow_peer_refuses_a_bad_flag_in_one_line_and_writes_nothing(tmp_path)
         (["--loss_local_steps", "1001"], "--loss_local_steps"),
         (["--loss_variant", "25:topk:2"], "--loss_variant: '25:topk:2'"),
         (["--loss_variant", "25:topk", "--loss_local_steps", "25"], "--loss_variant: give it or --loss_local_steps"),
-        (["--shadow_topk_fraction", "0"], "--shadow_topk_fraction: must be in (0, 1]"),
+        (["--shadow_topk_fraction", "0"], "--shadow_topk_fraction: --topk_fraction must be in (0, 1]"),
     ],
 )
 def test_a_bad_h_variant_or_fraction_is_refused_in_one_line_before_anything_runs(tmp_path, flags, named):
@@ -398,6 +398,7 @@ def test_the_shadow_topk_run_has_its_row_after_the_8bit_one_and_its_bits_in_the_
     from bench.wan import shadow_runs
 
     assert shadow_runs(10, 0.03)["lowcomm_topk"][1][-2:] == ["--topk_fraction", "0.03"]
+    assert "--topk_fraction" not in shadow_runs(10)["lowcomm_topk"][1]  # the trainer's own default
 
     figures = wan_figures({"H 50, 8bit": None})
     alone = _run(120.0)
