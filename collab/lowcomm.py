@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
+from hivemind.utils import get_dht_time
 
 from collab.averagers import (
     FiniteAveragingOptimizer,
@@ -37,6 +38,7 @@ from collab.averagers import (
 )
 from collab.compression import PseudoGradientCodec, WireAveragerMixin
 from collab.hivemind_fixes import PROGRESS_REPORT_PERIOD
+from collab.repairs import RepairRequests
 
 logger = logging.getLogger(__name__)
 
@@ -264,9 +266,12 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         target_batch_size: int,
         outer_learning_rate: float,
         outer_momentum: float,
+        repairs: RepairRequests | None = None,
         **kwargs,
     ):
         self.inner_optimizer, self.codec, self._inner_scheduler = inner_optimizer, codec, inner_scheduler
+        self.repairs = repairs
+        self._read_repairs_near_end_of: int | None = None
         super().__init__(
             optimizer=outer_optimizer_factory(outer_learning_rate, outer_momentum, inner_optimizer),
             params=[{"params": group["params"]} for group in inner_optimizer.param_groups],
@@ -298,9 +303,51 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         self.inner_optimizer.step()
         return super().step(batch_size=batch_size, grad_scaler=grad_scaler)
 
+    @property
+    def average_state_every(self) -> int:
+        """hivemind starts a parameter round with epoch ``e`` when ``e % average_state_every == 0``, deciding in
+        ``_update_global_epoch`` and pre-scheduling in ``_maybe_schedule_state_averaging``, both with ``e = max(local
+        epoch + 1, the tracker's epoch)``. For an epoch with a repair requested (collab/repairs.py) this answers 1,
+        so both places run one then, as at a regular parameter round."""
+        if self.repairs is not None and self.repairs.due(max(self.local_epoch + 1, self.tracker.global_epoch)):
+            return 1
+        return self.regular_state_every
+
+    @average_state_every.setter
+    def average_state_every(self, every: int) -> None:
+        self.regular_state_every = every
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        """hivemind's, after reading the repair requests once more as the epoch nears its end (one read when it
+        began may predate a request made since)."""
+        near_end = self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time
+        if self.repairs is not None and near_end and self._read_repairs_near_end_of != self.local_epoch:
+            self._read_repairs_near_end_of = self.local_epoch
+            self.repairs.refresh()
+        super()._maybe_schedule_state_averaging()
+
     def _update_global_epoch(self, grad_scaler) -> None:
         self.grad_averager.capture_on_next_load = True  # after the previous outer step is applied, before averaging
         super()._update_global_epoch(grad_scaler)
+        if self.repairs is not None:
+            self.repairs.refresh()
+            self._renew_repair_request()
+
+    def _begin_catching_up(self, state_epoch: int, swarm_epoch: int) -> None:
+        """As a full peer would, then ask for a parameter round instead of waiting for the next regular one."""
+        super()._begin_catching_up(state_epoch, swarm_epoch)
+        if self.repairs is not None:
+            self.repairs.request(swarm_epoch)
+
+    def _renew_repair_request(self) -> None:
+        """While catching up, once the epoch after the requested one has begun and the requested round ended without
+        making this peer whole (no group formed, or it was left out), ask again. Not at the requested epoch itself:
+        its round, begun in the background, may not have taken its lock yet."""
+        averager, requested = self.state_averager, self.repairs.requested
+        if self.catching_up_since is None or averager.averaging_in_progress or averager.holds_swarm_state.value:
+            return  # a full member, a round still running, or one that made it whole (the next step ends catching up)
+        if requested is None or self.local_epoch > requested:
+            self.repairs.request(max(self.local_epoch, self.tracker.global_epoch))
 
     def load_state_from_peers(self, **kwargs):
         super().load_state_from_peers(**kwargs)

@@ -20,6 +20,7 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.state_averager import TrainingStateAverager
 from torch_optimizer import Lamb
 from transformers import get_linear_schedule_with_warmup
@@ -34,6 +35,7 @@ from arguments import (
 from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager, FiniteTrainingStateAverager
 from collab.compression import make_codec
 from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory, parameter_round_every, progress_report_period
+from collab.repairs import RepairRequests
 from collab.timeouts import FP16_BYTES, Timeouts, derive_timeouts, estimate_transfers
 
 logger = logging.getLogger(__name__)
@@ -298,6 +300,9 @@ def build_optimizer(
         tracker_opts["private_key"] = tracker_private_key
     if optimizer_args.local_steps > 0:
         mode = lowcomm_mode(model, optimizer_args, training_args)
+        # signed with the tracker's key, which its DHT validates (the process's own unless given)
+        subkey = RSASignatureValidator(tracker_private_key).local_public_key
+        mode["repairs"] = RepairRequests(dht, peer_args.experiment_prefix, subkey)
     else:
         mode = dict(
             optimizer=lamb_factory(training_args),

@@ -2,7 +2,8 @@
 
 Key ``{experiment_prefix}_metrics``, subkey = the publishing peer's RSA public key, so only that peer can
 overwrite its own record (RSASignatureValidator); SchemaValidator rejects any value that is not a strict
-LocalMetrics: non-negative, finite, within the bounds below, the right types, no extra fields.
+LocalMetrics: non-negative, finite, within the bounds below, the right types, no extra fields. The same schema
+guards key ``{experiment_prefix}_repairs`` (collab/repairs.py): one signed epoch, an int in [0, MAX_STEP], per peer.
 
 LocalMetrics is one pydantic v2 model (validated in compiled code: the monitor parses every peer's record on every
 refresh); hivemind's SchemaValidator takes pydantic v1 models, so MetricSchema wraps the same model in a v1 field
@@ -97,8 +98,14 @@ class _LocalMetricsRecord:
         yield lambda value: LocalMetrics.model_validate(value).model_dump(exclude_unset=True)
 
 
+RepairEpoch = pydantic.v1.conint(strict=True, ge=0, le=MAX_STEP)
+
+
 class MetricSchema(pydantic.v1.BaseModel):
     metrics: dict[BytesWithPublicKey, _LocalMetricsRecord]
+    # a peer catching up asks for a parameter round at this global epoch (collab/repairs.py); a default, as
+    # hivemind's SchemaValidator makes every field optional (it validates one key at a time)
+    repairs: dict[BytesWithPublicKey, RepairEpoch] = pydantic.v1.Field(default_factory=dict)
 
 
 def honest_step(steps: Sequence[int], step_lag: int) -> int:

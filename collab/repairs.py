@@ -1,0 +1,99 @@
+"""Parameter rounds on demand: a newcomer catching up asks the swarm for a parameter round instead of waiting for the
+next regular one.
+
+In the low-communication mode parameter rounds come every 4 to 32 outer rounds (``lowcomm.parameter_round_every``),
+and a newcomer whose downloaded state arrived rounds old adds nothing until one has given it the swarm's anchor
+(``BoundedLoadOptimizer._begin_catching_up``): with rounds of minutes that is up to hours of a volunteer's GPU. So it
+stores a request, key ``{experiment_prefix}_repairs``, subkey its public key (signed: only it can change its own),
+value the global epoch at whose start it wants the round. Every peer reads the requests at each epoch's start and
+again as the epoch nears its end, and runs a parameter round at a requested epoch as at a regular one.
+
+Peers must agree on a round without talking: a request names an epoch at least REPAIR_LEAD epochs past the swarm's,
+so every peer reads it before that epoch begins. Any key can ask, so the cost of hostile or forgotten requests is
+bounded by where they may fall: only epochs that are multiples of REPAIR_GRANULARITY are honoured, whatever the
+number of keys asking, so requests add at most one parameter round per REPAIR_GRANULARITY rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from hivemind.utils import get_dht_time
+
+from collab import events
+from collab.schema import MAX_STEP
+
+logger = logging.getLogger(__name__)
+
+REPAIR_GRANULARITY = 2  # honoured epochs are multiples of it: at most one extra parameter round per this many rounds
+REPAIR_LEAD = 2  # epochs between the swarm's epoch and the one requested: every peer reads the request in between
+REQUEST_TTL_S = 6 * 3600.0  # a request outlives any round; one of a past epoch is never honoured again
+
+
+def repairs_key(experiment_prefix: str) -> str:
+    return f"{experiment_prefix}_repairs"
+
+
+def repair_epoch(swarm_epoch: int) -> int:
+    """The epoch a peer catching up at ``swarm_epoch`` asks for: the first multiple of REPAIR_GRANULARITY at least
+    REPAIR_LEAD epochs ahead."""
+    earliest = swarm_epoch + REPAIR_LEAD
+    return -(-earliest // REPAIR_GRANULARITY) * REPAIR_GRANULARITY
+
+
+def honoured_epochs(values: Iterable) -> frozenset[int]:
+    """The requested epochs a peer acts on: plain ints in [0, MAX_STEP] on the REPAIR_GRANULARITY grid; anything else
+    is ignored (the DHT's schema refuses it on honest nodes; a foreign node may still hand it over)."""
+    return frozenset(
+        value for value in values if type(value) is int and 0 <= value <= MAX_STEP and value % REPAIR_GRANULARITY == 0
+    )
+
+
+class RepairRequests:
+    """This peer's view of the swarm's repair requests and its own: ``request`` stores one, ``refresh`` starts a read
+    in the background, ``due`` says whether an epoch has a requested parameter round."""
+
+    def __init__(self, dht, experiment_prefix: str, subkey: bytes):
+        self.dht, self.key, self.subkey = dht, repairs_key(experiment_prefix), subkey
+        self.requested: int | None = None  # this peer's own request, if any
+        self.known: frozenset[int] = frozenset()
+        self._reading = None
+
+    def request(self, swarm_epoch: int) -> int:
+        """Ask for a parameter round at ``repair_epoch(swarm_epoch)``; returns that epoch."""
+        epoch = repair_epoch(swarm_epoch)
+        self.requested = epoch
+        self.dht.store(
+            self.key,
+            epoch,
+            expiration_time=get_dht_time() + REQUEST_TTL_S,
+            subkey=self.subkey,
+            return_future=True,
+        )
+        logger.info("Asked the swarm for a parameter round at epoch %d (catching up at %d)", epoch, swarm_epoch)
+        events.emit("repair_requested", epoch=epoch, global_epoch=swarm_epoch)
+        return epoch
+
+    def refresh(self) -> None:
+        """Start reading the swarm's requests unless a read is under way; ``due`` takes its result when it is done."""
+        if self._reading is None:
+            self._reading = self.dht.get(self.key, latest=True, return_future=True)
+
+    def _take_read(self) -> None:
+        reading = self._reading
+        if reading is None or not reading.done():
+            return
+        self._reading = None
+        try:
+            found = reading.result()
+        except Exception as e:  # a failed read leaves the last one's view: the next refresh tries again
+            logger.debug("Reading the repair requests failed: %r", e)
+            return
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        self.known = honoured_epochs(getattr(entry, "value", None) for entry in entries.values())
+
+    def due(self, epoch: int) -> bool:
+        """Whether a parameter round was requested for the start of ``epoch`` (by this peer or one it has read)."""
+        self._take_read()
+        return epoch in self.known or epoch == self.requested
