@@ -93,3 +93,52 @@ def test_a_newcomer_slower_to_download_than_an_epoch_catches_up_without_harming_
     assert b_catch_up_round["values_kept_local"] == b_catch_up_round["senders_dropped"] == 0
     assert a_same_round["update_norm"] < 0.01 * b_catch_up_round["update_norm"], (a_same_round, b_catch_up_round)
     assert not a.tracebacks_from_our_code() and not b.tracebacks_from_our_code()
+
+
+# The low-communication mode: parameter rounds come every 1000 rounds here, so only a repair round it asks for
+# (collab/repairs.py) can make B whole within the bound. Rounds of 2 x 64 samples, a few seconds each; B's state
+# (anchor, outer momentum, Lamb's moments: about 8 MB) takes several of them to download.
+LOWCOMM_SETTINGS = [
+    *("--local_steps", "2", "--target_batch_size", "64", "--pseudo_grad_compression", "8bit"),
+    *("--average_state_every", "1000", "--matchmaking_time", "2", "--bandwidth", str(LINK_MBIT)),
+    *("--warmup_steps", "0"),
+]
+
+
+def test_a_low_communication_newcomer_asks_for_the_parameter_round_that_makes_it_whole(
+    two_sites, tmp_path, sample_data
+):
+    common = ["--experiment_prefix", f"repair{int(time.time())}", *LOWCOMM_SETTINGS]
+    a_site, b_site = two_sites.peers
+    peers = [peer_at(a_site, common, tmp_path, "A")]
+    try:
+        join = peers[0].join_flags(timeout=JOIN_S)
+        wait_until(lambda: peers[0].latest_epoch() >= A_EPOCHS_FIRST, 120, f"A to reach epoch {A_EPOCHS_FIRST}")
+        b = peer_at(b_site, [*common, *join], tmp_path, "B")
+        peers.append(b)
+        caught_up = b.wait_for_event("caught_up", CATCH_UP_S)
+        wait_until(
+            lambda: any(r["time"] > caught_up["time"] and r["weight"] > 0 for r in rounds(b, "pseudo-gradients")),
+            60,
+            "B to add its own pseudo-gradients to a round",
+        )
+        for p in peers:
+            p.process.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in peers]
+    finally:
+        for p in peers:
+            p.stop()
+    assert codes == [0, 0]
+    a = peers[0]
+
+    catching_up, requests = b.events("catching_up")[0], b.events("repair_requested")
+    assert catching_up["global_epoch"] - catching_up["epoch"] >= 2, catching_up
+    assert requests and requests[0]["epoch"] - catching_up["global_epoch"] in (2, 3), requests
+    # made whole at the start of the epoch it asked for (its event comes at its next step: that epoch or the next)
+    assert requests[-1]["epoch"] <= caught_up["epoch"] <= requests[-1]["epoch"] + 1, (requests, caught_up)
+    assert len(requests) <= 2, requests  # one request, or one renewed after a round that formed no group
+    # A ran that parameter round with B, though its regular ones come every 1000 epochs
+    assert any(r["group_size"] == 2 for r in rounds(a, "parameters")), rounds(a, "parameters")
+    assert all(r["weight"] == 0 for r in rounds(b, "pseudo-gradients") if r["time"] < caught_up["time"])
+    assert not any(r["published"] for r in b.events("epoch") if r["time"] < caught_up["time"])
+    assert not a.tracebacks_from_our_code() and not b.tracebacks_from_our_code()
