@@ -1,12 +1,14 @@
-"""A newcomer downloads a big state over a slow link: ``python -m bench.join [--mbit 40] [--layers 12]``; the last
-line is one JSON object.
+"""A newcomer downloads a big state over a slow link: ``python -m bench.join [--mbit 40] [--layers 12]
+[--local_steps H]``; the last line is one JSON object.
 
 Two shadow peers (``bench.shadow``: GPT-2 small's shapes, 124M parameters with 12 layers, compute a calibrated wait)
 in network namespaces on bench.procs' hub. The veteran trains alone behind a fast link until it has made
 ``VETERAN_EPOCHS`` global steps; then the newcomer starts behind a link of ``--mbit`` each way and joins it. Its
 state (parameters and Lamb's two moments, in fp16 on the wire) is then several hundred MB: at 40 Mbit/s the download
 outlasts many of the veteran's epochs, so the newcomer also has to catch up (``catching_up``, then ``caught_up``
-with the next parameter round) before its first gradient round with its own samples.
+with the next parameter round) before its first gradient round with its own samples. With ``--local_steps H`` both
+peers run the low-communication mode, where the newcomer asks for that parameter round (``repair_requested``,
+``repairs_requested`` in the figures) and its first own round is a pseudo-gradient round.
 
 Figures, from the newcomer's events and its link's kernel counters:
 
@@ -40,6 +42,7 @@ from bench.procs import (
 )
 from bench.shadow import shadow_numel
 from bench.swarm import JOIN_GOAL, PeerRun, join_seconds_vs_bound, own_round
+from bench.wan import MAX_BENCH_LOCAL_STEPS, lowcomm_flags
 
 FAST_MBIT = 1000.0  # the veteran's link: the newcomer's is the one measured
 VETERAN_EPOCHS = 3  # global steps the veteran makes alone before the newcomer starts: a state past epoch 0
@@ -47,13 +50,14 @@ MICRO_BATCH_S = 0.2  # the shadow peers' forward and backward (bench.wan's GPT-2
 TARGET_BATCH_SIZE = 512
 
 
-def shadow_flags(prefix: str, address: str, mbit: float, layers: int, output: Path) -> list[str]:
+def shadow_flags(prefix: str, address: str, mbit: float, layers: int, mode: list[str], output: Path) -> list[str]:
     """A shadow peer's own flags: its address, the link rate its timeouts are derived from (``--bandwidth``: both
-    peers give the newcomer's, as a swarm's operator sizes them for its slowest volunteers), its model's size."""
+    peers give the newcomer's, as a swarm's operator sizes them for its slowest volunteers), its model's size and
+    ``mode``'s flags (none: the synchronous mode)."""
     return [
         *("--experiment_prefix", prefix, "--host_maddrs", f"/ip4/{address}/tcp/0"),
         *("--bandwidth", f"{mbit:g}", "--target_batch_size", str(TARGET_BATCH_SIZE), "--output_dir", str(output)),
-        *("--layers", str(layers), "--micro_batch_s", f"{MICRO_BATCH_S:g}"),
+        *("--layers", str(layers), "--micro_batch_s", f"{MICRO_BATCH_S:g}", *mode),
     ]
 
 
@@ -61,8 +65,8 @@ def first_own_round(events: list[dict]) -> dict | None:
     return next(filter(own_round, events), None)
 
 
-def measure(mbit: float, layers: int, log_dir: Path, timeout: float) -> dict:
-    """Run the veteran and the newcomer; the figures of the newcomer's join."""
+def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: list[str] = ()) -> dict:
+    """Run the veteran and the newcomer, both with ``mode``'s flags; the figures of the newcomer's join."""
     log_dir.mkdir(parents=True, exist_ok=True)
     names = ("veteran", "newcomer")
     paths = {name: (log_dir / f"{name}.steps.jsonl", log_dir / f"{name}.events.jsonl") for name in names}
@@ -73,7 +77,10 @@ def measure(mbit: float, layers: int, log_dir: Path, timeout: float) -> dict:
         veteran_site, newcomer_site = network.peers
         veteran = Child(
             "bench.shadow",
-            [paths["veteran"][0], *shadow_flags(prefix, veteran_site.address, mbit, layers, log_dir / "veteran")],
+            [
+                paths["veteran"][0],
+                *shadow_flags(prefix, veteran_site.address, mbit, layers, mode, log_dir / "veteran"),
+            ],
             log_dir / "veteran.log",
             timeout,
             env=ONE_THREAD,
@@ -94,7 +101,7 @@ def measure(mbit: float, layers: int, log_dir: Path, timeout: float) -> dict:
             "bench.shadow",
             [
                 paths["newcomer"][0],
-                *shadow_flags(prefix, newcomer_site.address, mbit, layers, log_dir / "newcomer"),
+                *shadow_flags(prefix, newcomer_site.address, mbit, layers, mode, log_dir / "newcomer"),
                 *join,
             ],
             log_dir / "newcomer.log",
@@ -124,6 +131,7 @@ def measure(mbit: float, layers: int, log_dir: Path, timeout: float) -> dict:
         "loads": sum(record["event"] == "out_of_sync" for record in events),
         "state_epoch": loaded["epoch"],
         "caught_up_s": next((r["seconds"] for r in events if r["event"] == "caught_up"), None),
+        "repairs_requested": sum(record["event"] == "repair_requested" for record in events),
         "join_seconds_vs_bound": join_seconds_vs_bound(run),
         "join_goal": JOIN_GOAL,
         "first_own_round_after_joined_s": first_own_round(events)["time"]
@@ -136,13 +144,20 @@ def main(argv=None) -> int:
     parser.add_argument("--mbit", type=float, default=40.0, help="the newcomer's link, each way (Mbit/s)")
     parser.add_argument("--layers", type=int, default=12, help="GPT-2 blocks of the shadow model (12: 124M)")
     parser.add_argument("--minutes", type=float, default=30.0, help="the whole run's deadline")
+    parser.add_argument(
+        "--local_steps", type=int, default=0, help="H of both peers' low-communication mode (0: synchronous)"
+    )
+    parser.add_argument("--pseudo_grad_compression", default="8bit", choices=("fp16", "8bit", "topk"))
     parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/join"), help="every process's log")
     args = parser.parse_args(argv)
     if not (0 < args.mbit <= 10_000 and 1 <= args.layers <= 48 and 1 <= args.minutes <= 240):
         parser.error("--mbit must be in (0, 10000], --layers 1 to 48, --minutes 1 to 240")
+    if not 0 <= args.local_steps <= MAX_BENCH_LOCAL_STEPS:
+        parser.error(f"--local_steps: must be 0 to {MAX_BENCH_LOCAL_STEPS} (got {args.local_steps})")
+    mode = lowcomm_flags(args.local_steps, args.pseudo_grad_compression) if args.local_steps else []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups: children, network namespaces
     try:
-        figures = measure(args.mbit, args.layers, args.log_dir, args.minutes * 60)
+        figures = measure(args.mbit, args.layers, args.log_dir, args.minutes * 60, mode)
     except NamespacesUnavailable as e:
         print(f"not measured: {e}")
         print(json.dumps({"skipped": str(e)}))

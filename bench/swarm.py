@@ -187,9 +187,18 @@ class PeerRun:
     ended_by: str | None = None  # "kill", "leave", "exit" (by itself) or "end"
 
 
+# rounds that carry a peer's samples: gradients (synchronous mode), pseudo-gradients (low-communication mode)
+CONTRIBUTING_ROUND_KINDS = ("gradients", "pseudo-gradients")
+
+
 def weighted_gradient_round(record: dict) -> bool:
-    """A gradient round that took this peer's own samples (weight > 0: not catching up), with or without groupmates."""
-    return record["event"] == "averaged" and record["kind"] == "gradients" and (record.get("weight") or 0) > 0
+    """A gradient or pseudo-gradient round that took this peer's own samples (weight > 0: not catching up), with or
+    without groupmates."""
+    return (
+        record["event"] == "averaged"
+        and record["kind"] in CONTRIBUTING_ROUND_KINDS
+        and (record.get("weight") or 0) > 0
+    )
 
 
 def own_round(record: dict) -> bool:

@@ -24,6 +24,7 @@ from bench.swarm import (
     join_phases,
     join_seconds_vs_bound,
     kills_due,
+    own_round,
     read_steps,
     samples_by_outcome,
     stall_count,
@@ -381,3 +382,11 @@ def test_the_slow_peer_sleeps_twice_its_compute_after_each_step(monkeypatch):
 def test_too_small_a_swarm_is_refused():
     with pytest.raises(SystemExit):
         swarm.main(["--peers", "3"])
+
+
+def test_a_round_contributes_where_it_carried_this_peer_s_samples_in_either_mode():
+    averaged = {"event": "averaged", "group_size": 2, "weight": 16}
+    assert own_round({**averaged, "kind": "gradients"}) and own_round({**averaged, "kind": "pseudo-gradients"})
+    assert not own_round({**averaged, "kind": "parameters"})
+    assert not own_round({**averaged, "kind": "pseudo-gradients", "weight": 0})  # catching up
+    assert not own_round({**averaged, "kind": "pseudo-gradients", "group_size": 1})  # alone
