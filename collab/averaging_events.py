@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
+from hivemind.utils.nested import nested_flatten
 
 from collab import events
 
@@ -196,6 +197,14 @@ def state_bytes(tensors) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors if isinstance(tensor, torch.Tensor))
 
 
+def served_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The in-memory size of what a donor serves of ``optimizer``: its parameters and every tensor of its
+    ``state_dict``, which in the low-communication mode also holds the inner optimizer's statistics
+    (collab.lowcomm.OuterNesterov), half of what travels there."""
+    parameters = (param for group in optimizer.param_groups for param in group["params"])
+    return state_bytes(chain(parameters, nested_flatten(optimizer.state_dict())))
+
+
 class OptimizerEventsMixin:
     """Emits ``step_begun`` as a global step's gradient round begins, ``round_scheduled`` when a gradient round is
     pre-scheduled, ``out_of_sync`` when the peer finds itself behind and ``state_loaded`` when a load of the state
@@ -223,13 +232,11 @@ class OptimizerEventsMixin:
         super().load_state_from_peers(**kwargs)
         if self.local_epoch > epoch_before:
             averager = self.state_averager
-            parameters = (param for group in averager.optimizer.param_groups for param in group["params"])
-            optimizer_state = (value for state in averager.optimizer.state.values() for value in state.values())
             events.emit(
                 "state_loaded",
                 epoch=self.local_epoch,
                 epoch_before=epoch_before,
-                bytes=state_bytes(chain(parameters, optimizer_state)),
+                bytes=served_state_bytes(averager.optimizer),
                 seconds=round(time.monotonic() - started, 3),
                 tries=getattr(averager, "download_tries", None),
             )

@@ -44,26 +44,22 @@ def rounds(peer, kind: str) -> list[dict]:
     return [record for record in peer.events("averaged") if record["kind"] == kind]
 
 
-def test_a_newcomer_slower_to_download_than_an_epoch_catches_up_without_harming_the_swarm(
-    two_sites, tmp_path, sample_data
-):
-    common = ["--experiment_prefix", f"catchup{int(time.time())}", *SETTINGS]
-
-    def peer(site, name, flags):
-        return peer_at(site, [*common, *flags], tmp_path, name)
-
-    a_site, b_site = two_sites.peers
-    peers = [peer(a_site, "A", [])]
+def a_then_b_until_b_contributes(sites, folder, flags: list[str], kind: str):
+    """A trains alone behind ``sites``' first link, B joins it behind the second once A has made some epochs; both
+    stop (SIGTERM) once B, caught up, has added its own values to a round of ``kind``. Returns A, B and B's
+    ``caught_up`` event; both must have exited with 0."""
+    a_site, b_site = sites.peers
+    peers = [peer_at(a_site, flags, folder, "A")]
     try:
         join = peers[0].join_flags(timeout=JOIN_S)
         wait_until(lambda: peers[0].latest_epoch() >= A_EPOCHS_FIRST, 120, f"A to reach epoch {A_EPOCHS_FIRST}")
-        b = peer(b_site, "B", join)
+        b = peer_at(b_site, [*flags, *join], folder, "B")
         peers.append(b)
         caught_up = b.wait_for_event("caught_up", CATCH_UP_S)
         wait_until(
-            lambda: any(r["time"] > caught_up["time"] and r["weight"] > 0 for r in rounds(b, "gradients")),
+            lambda: any(r["time"] > caught_up["time"] and r["weight"] > 0 for r in rounds(b, kind)),
             60,
-            "B to add its own gradients to a round",
+            f"B to add its own {kind} to a round",
         )
         for p in peers:
             p.process.send_signal(signal.SIGTERM)
@@ -72,7 +68,14 @@ def test_a_newcomer_slower_to_download_than_an_epoch_catches_up_without_harming_
         for p in peers:
             p.stop()
     assert codes == [0, 0]
-    a = peers[0]
+    return peers[0], b, caught_up
+
+
+def test_a_newcomer_slower_to_download_than_an_epoch_catches_up_without_harming_the_swarm(
+    two_sites, tmp_path, sample_data
+):
+    flags = ["--experiment_prefix", f"catchup{int(time.time())}", *SETTINGS]
+    a, b, caught_up = a_then_b_until_b_contributes(two_sites, tmp_path, flags, "gradients")
 
     # the precondition: the state B downloaded was epochs old when it arrived
     loaded, catching_up = b.events("state_loaded")[0], b.events("catching_up")[0]
@@ -108,30 +111,12 @@ LOWCOMM_SETTINGS = [
 def test_a_low_communication_newcomer_asks_for_the_parameter_round_that_makes_it_whole(
     two_sites, tmp_path, sample_data
 ):
-    common = ["--experiment_prefix", f"repair{int(time.time())}", *LOWCOMM_SETTINGS]
-    a_site, b_site = two_sites.peers
-    peers = [peer_at(a_site, common, tmp_path, "A")]
-    try:
-        join = peers[0].join_flags(timeout=JOIN_S)
-        wait_until(lambda: peers[0].latest_epoch() >= A_EPOCHS_FIRST, 120, f"A to reach epoch {A_EPOCHS_FIRST}")
-        b = peer_at(b_site, [*common, *join], tmp_path, "B")
-        peers.append(b)
-        caught_up = b.wait_for_event("caught_up", CATCH_UP_S)
-        wait_until(
-            lambda: any(r["time"] > caught_up["time"] and r["weight"] > 0 for r in rounds(b, "pseudo-gradients")),
-            60,
-            "B to add its own pseudo-gradients to a round",
-        )
-        for p in peers:
-            p.process.send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=60) for p in peers]
-    finally:
-        for p in peers:
-            p.stop()
-    assert codes == [0, 0]
-    a = peers[0]
+    flags = ["--experiment_prefix", f"repair{int(time.time())}", *LOWCOMM_SETTINGS]
+    a, b, caught_up = a_then_b_until_b_contributes(two_sites, tmp_path, flags, "pseudo-gradients")
 
     catching_up, requests = b.events("catching_up")[0], b.events("repair_requested")
+    # the state B downloaded: anchor, outer momentum and Lamb's two moments, 4 values a parameter in fp32
+    assert b.events("state_loaded")[0]["bytes"] == 16 * b.events("averaged")[0]["values"]
     assert catching_up["global_epoch"] - catching_up["epoch"] >= 2, catching_up
     assert requests and requests[0]["epoch"] - catching_up["global_epoch"] in (2, 3), requests
     # made whole at the start of the epoch it asked for (its event comes at its next step: that epoch or the next)

@@ -15,6 +15,7 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
+from collab.averaging_events import served_state_bytes
 from collab.errors import ConfigError
 from collab.lowcomm import (
     LowCommOptimizer,
@@ -29,6 +30,7 @@ from collab.lowcomm import (
 from collab.optim import (
     build_optimizer,
     build_state_averager,
+    create_lamb_state,
     inner_learning_rate,
     lamb_factory,
     parameter_groups,
@@ -253,7 +255,7 @@ def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_betwee
     # 4 bytes a value (anchor and momentum in fp16) at most a quarter of the pseudo-gradients' bytes per round
     assert parameter_round_every(None, 10, "fp16") == 4  # 2 / (0.25 x 2)
     assert parameter_round_every(None, 10, "8bit") == 8  # 2 / (0.25 x 1)
-    assert parameter_round_every(None, 50, "topk") == 32  # 2 / (0.25 x 0.029) = 276, capped
+    assert parameter_round_every(None, 50, "topk") == 32  # 2 / (0.25 x 0.079) = 102, capped
     assert parameter_round_every(3, 50, "topk") == 3  # the flag wins
     assert parameter_round_every(1, 0, "fp16") == 1
 
@@ -262,3 +264,13 @@ def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_betwee
 def test_a_parameter_round_period_below_one_is_refused_naming_the_flag(value):
     with pytest.raises(ConfigError, match="average_state_every"):
         OptimizerArguments(average_state_every=value)
+
+
+def test_a_served_low_communication_state_counts_anchor_momentum_and_both_lamb_moments():
+    model = torch.nn.Linear(100, 10)  # 1,010 parameters
+    inner = lamb_factory(TrainingArguments())(parameter_groups(model, 0.01))
+    create_lamb_state(inner)
+    anchors = [{"params": [p.detach().clone() for p in model.parameters()]}]
+    outer = outer_optimizer_factory(0.7, 0.9, inner)(anchors)
+    fp32 = 4 * 1010
+    assert 4 * fp32 <= served_state_bytes(outer) <= 4 * fp32 + 64  # 64: Lamb's step counters, if tensors
