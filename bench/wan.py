@@ -151,7 +151,7 @@ def variant(local_steps: int, compression: str) -> tuple[str, list[str]]:
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """``H:COMPRESSION`` (``25:8bit``), or ``H:topk:FRACTION`` (``25:topk:0.03``, top-k's ``--topk_fraction``), as a
+    """``H:COMPRESSION`` (``25:8bit``), or ``H:topk:FRACTION`` (``25:topk:0.01``, top-k's ``--topk_fraction``), as a
     variant; ValueError naming what to write instead."""
     h, _, rest = text.partition(":")
     compression, colon, fraction = rest.partition(":")
@@ -697,7 +697,7 @@ def main(argv=None) -> int:
         "--loss_variant",
         default=None,
         metavar="H:COMPRESSION[:FRACTION]",
-        help="the loss way's low-communication run, as --lowcomm_variants writes one (50:8bit; 25:topk:0.03); "
+        help="the loss way's low-communication run, as --lowcomm_variants writes one (50:8bit; 25:topk:0.01); "
         "instead of --loss_local_steps",
     )
     parser.add_argument(
@@ -706,7 +706,7 @@ def main(argv=None) -> int:
         default=None,
         metavar="H:COMPRESSION[:FRACTION]",
         help="the rate-scaled way's low-communication runs, H and pseudo-gradient compression each, top-k's "
-        f"fraction after a third colon (50:8bit 50:topk 50:topk:0.03; quick 5:8bit); compression one of "
+        f"fraction after a third colon (50:8bit 50:topk 50:topk:0.01; quick 5:8bit); compression one of "
         f"{', '.join(CODEC_KINDS)}",
     )
     args = parser.parse_args(argv)

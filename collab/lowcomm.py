@@ -53,13 +53,15 @@ def round_target_samples(local_steps: int, target_batch_size: int) -> int:
 # test_parameter_rounds.py) at a quarter less traffic than every epoch (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
 SYNC_PARAMETER_ROUND_EVERY = 2
 # Low-communication mode: a parameter round carries the anchor in fp16, 2 bytes a value, while a pseudo-gradient
-# round carries 2 (fp16), 1 (8bit) or about 1.5 % of fp16 (topk, ``python -m bench.compression``). Every second round,
-# parameter rounds were the link's largest load (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md); they only
-# repair a peer that missed a round, so they come as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the
-# pseudo-gradients' bytes, or every MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays unrepaired
-# (topk reaches it: its parameter rounds come to about twice its pseudo-gradients' bytes).
+# round carries 2 (fp16), 1 (8bit) or about 3 % of fp16 (topk at its default 3 %, ``python -m bench.compression``).
+# Every second round, parameter rounds were the link's largest load
+# (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md); they only repair a peer that missed a round, so they come
+# as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes, or every
+# MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays unrepaired (topk reaches it: its parameter
+# rounds then come to about four fifths of its pseudo-gradients' bytes). A newcomer does not wait for them: it asks
+# for one (collab/repairs.py).
 PARAMETER_ROUND_BYTES_PER_VALUE = 2.0
-PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.029}
+PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.079}
 PARAMETER_TRAFFIC_SHARE = 0.25
 MAX_PARAMETER_ROUND_EVERY = 32
 
