@@ -38,7 +38,7 @@ from collab.averagers import (
 )
 from collab.compression import PseudoGradientCodec, WireAveragerMixin
 from collab.hivemind_fixes import PROGRESS_REPORT_PERIOD
-from collab.repairs import RepairRequests
+from collab.repairs import RepairRequests, next_epoch_in_reach
 
 logger = logging.getLogger(__name__)
 
@@ -297,14 +297,6 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         factory = partial(PseudoGradientAverager, state_averager=self.state_averager, codec=self.codec)
         return super()._make_gradient_averager(factory, **kwargs)
 
-    def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
-        """One inner step on this peer's gradients, then hivemind's bookkeeping: count the samples, apply a finished
-        outer step, end the round when the swarm has processed its samples."""
-        if closure is not None:
-            raise ValueError("LowCommOptimizer.step takes no closure: compute the gradients before calling it")
-        self.inner_optimizer.step()
-        return super().step(batch_size=batch_size, grad_scaler=grad_scaler)
-
     @property
     def average_state_every(self) -> int:
         """hivemind starts a parameter round with epoch ``e`` when ``e % average_state_every == 0``, deciding in
@@ -333,23 +325,33 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         super()._update_global_epoch(grad_scaler)
         if self.repairs is not None:
             self.repairs.refresh()
-            self._renew_repair_request()
 
-    def _begin_catching_up(self, state_epoch: int, swarm_epoch: int) -> None:
-        """As a full peer would, then ask for a parameter round instead of waiting for the next regular one."""
-        super()._begin_catching_up(state_epoch, swarm_epoch)
-        if self.repairs is not None:
-            self.repairs.request(swarm_epoch)
+    def step(self, closure=None, batch_size: int | None = None, grad_scaler=None):
+        """One inner step on this peer's gradients, then hivemind's bookkeeping: count the samples, apply a finished
+        outer step, end the round when the swarm has processed its samples."""
+        if closure is not None:
+            raise ValueError("LowCommOptimizer.step takes no closure: compute the gradients before calling it")
+        self.inner_optimizer.step()
+        self._maybe_request_repair()
+        return super().step(batch_size=batch_size, grad_scaler=grad_scaler)
 
-    def _renew_repair_request(self) -> None:
-        """While catching up, once the epoch after the requested one has begun and the requested round ended without
-        making this peer whole (no group formed, or it was left out), ask again. Not at the requested epoch itself:
-        its round, begun in the background, may not have taken its lock yet."""
-        averager, requested = self.state_averager, self.repairs.requested
-        if self.catching_up_since is None or averager.averaging_in_progress or averager.holds_swarm_state.value:
-            return  # a full member, a round still running, or one that made it whole (the next step ends catching up)
-        if requested is None or self.local_epoch > requested:
-            self.repairs.request(max(self.local_epoch, self.tracker.global_epoch))
+    def _maybe_request_repair(self) -> None:
+        """While catching up, ask for the parameter round that makes this peer whole (collab/repairs.py): once the
+        tracker has read the swarm's progress since the download (it times the request), and again once a requested
+        round has passed without making it whole (no group formed, or part of it was kept local)."""
+        averager = self.state_averager
+        if self.repairs is None or self.catching_up_since is None:
+            return
+        if averager.averaging_in_progress or averager.holds_swarm_state.value:
+            return  # a round still running, or one that made it whole (the next step ends catching up)
+        requested, now = self.repairs.requested, get_dht_time()
+        if requested is not None and requested >= self.local_epoch:
+            return  # its round has not ended: it begins with the requested epoch
+        if self.tracker.global_progress.next_fetch_time <= now:
+            return  # the swarm's progress is overdue for a read (as after a download): its estimate would be stale
+        seconds_left = self.tracker.estimated_next_update_time - now
+        swarm_epoch = max(self.local_epoch, self.tracker.global_epoch)
+        self.repairs.request(swarm_epoch, next_epoch_in_reach(seconds_left, self.matchmaking_time))
 
     def load_state_from_peers(self, **kwargs):
         super().load_state_from_peers(**kwargs)

@@ -8,10 +8,14 @@ stores a request, key ``{experiment_prefix}_repairs``, subkey its public key (si
 value the global epoch at whose start it wants the round. Every peer reads the requests at each epoch's start and
 again as the epoch nears its end, and runs a parameter round at a requested epoch as at a regular one.
 
-Peers must agree on a round without talking: a request names an epoch at least REPAIR_LEAD epochs past the swarm's,
-so every peer reads it before that epoch begins. Any key can ask, so the cost of hostile or forgotten requests is
-bounded by where they may fall: only epochs that are multiples of REPAIR_GRANULARITY are honoured, whatever the
-number of keys asking, so requests add at most one parameter round per REPAIR_GRANULARITY rounds.
+Peers must agree on a round without talking. Each reads the requests again when its epoch nears its end (within
+``matchmaking_time`` of it, when hivemind pre-schedules the round), so a request stored well before then
+(``next_epoch_in_reach``: NEXT_EPOCH_MARGIN matchmaking times and NEXT_EPOCH_SLACK_S seconds before, by the
+tracker's estimate) may name the next epoch; otherwise it names the one after, which every peer reads as the next
+epoch begins. A peer that missed a request only stays out of that round; a round that leaves the newcomer short is
+asked for again. Any key can ask, so the cost of hostile or forgotten requests is bounded by where they may fall:
+only epochs that are multiples of REPAIR_GRANULARITY are honoured, whatever the number of keys asking, so requests
+add at most one parameter round per REPAIR_GRANULARITY rounds.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from collab.schema import MAX_STEP
 logger = logging.getLogger(__name__)
 
 REPAIR_GRANULARITY = 2  # honoured epochs are multiples of it: at most one extra parameter round per this many rounds
-REPAIR_LEAD = 2  # epochs between the swarm's epoch and the one requested: every peer reads the request in between
+# A request may name the next epoch when the current one has this many matchmaking times plus these seconds left:
+# the peers' near-end reads come a matchmaking time before the end; the rest covers the store's and read's latency and
+# the spread of the peers' estimates of that end.
+NEXT_EPOCH_MARGIN = 2.0
+NEXT_EPOCH_SLACK_S = 5.0
 REQUEST_TTL_S = 6 * 3600.0  # a request outlives any round; one of a past epoch is never honoured again
 
 
@@ -35,10 +43,15 @@ def repairs_key(experiment_prefix: str) -> str:
     return f"{experiment_prefix}_repairs"
 
 
-def repair_epoch(swarm_epoch: int) -> int:
-    """The epoch a peer catching up at ``swarm_epoch`` asks for: the first multiple of REPAIR_GRANULARITY at least
-    REPAIR_LEAD epochs ahead."""
-    earliest = swarm_epoch + REPAIR_LEAD
+def next_epoch_in_reach(seconds_left: float, matchmaking_time: float) -> bool:
+    """Whether a request stored with ``seconds_left`` in the swarm's epoch is read by every peer before it ends."""
+    return seconds_left > NEXT_EPOCH_MARGIN * matchmaking_time + NEXT_EPOCH_SLACK_S
+
+
+def repair_epoch(swarm_epoch: int, in_reach: bool = False) -> int:
+    """The epoch a peer catching up at ``swarm_epoch`` asks for: the first multiple of REPAIR_GRANULARITY past it,
+    past the next one too unless ``in_reach`` (``next_epoch_in_reach``)."""
+    earliest = swarm_epoch + (1 if in_reach else 2)
     return -(-earliest // REPAIR_GRANULARITY) * REPAIR_GRANULARITY
 
 
@@ -60,9 +73,9 @@ class RepairRequests:
         self.known: frozenset[int] = frozenset()
         self._reading = None
 
-    def request(self, swarm_epoch: int) -> int:
-        """Ask for a parameter round at ``repair_epoch(swarm_epoch)``; returns that epoch."""
-        epoch = repair_epoch(swarm_epoch)
+    def request(self, swarm_epoch: int, in_reach: bool = False) -> int:
+        """Ask for a parameter round at ``repair_epoch(swarm_epoch, in_reach)``; returns that epoch."""
+        epoch = repair_epoch(swarm_epoch, in_reach)
         self.requested = epoch
         self.dht.store(
             self.key,

@@ -17,16 +17,29 @@ from transformers import AutoModelForMaskedLM
 
 from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
 from collab.optim import build_optimizer
-from collab.repairs import REPAIR_GRANULARITY, RepairRequests, honoured_epochs, repair_epoch, repairs_key
+from collab.repairs import (
+    REPAIR_GRANULARITY,
+    RepairRequests,
+    honoured_epochs,
+    next_epoch_in_reach,
+    repair_epoch,
+    repairs_key,
+)
 from collab.schema import MAX_STEP, MetricSchema
 from tests.local_dht import two_dhts
 from trainer.local import wait_until
 from trainer.model import tiny_bert_config
 
 
-def test_a_request_names_the_first_even_epoch_two_or_more_past_the_swarm_s():
+def test_a_request_names_the_first_even_epoch_past_the_next_one_or_past_the_swarm_s_when_in_reach():
     assert REPAIR_GRANULARITY == 2
     assert [repair_epoch(epoch) for epoch in (0, 1, 2, 5, 6, 31)] == [2, 4, 4, 8, 8, 34]
+    assert [repair_epoch(epoch, in_reach=True) for epoch in (0, 1, 2, 5, 6, 31)] == [2, 2, 4, 6, 8, 32]
+
+
+def test_the_next_epoch_is_in_reach_with_two_matchmaking_times_and_five_seconds_left():
+    assert next_epoch_in_reach(15.1, matchmaking_time=5.0) and not next_epoch_in_reach(15.0, matchmaking_time=5.0)
+    assert not next_epoch_in_reach(60.0, matchmaking_time=30.0) and next_epoch_in_reach(66.0, matchmaking_time=30.0)
 
 
 def test_only_plain_ints_on_the_grid_within_bounds_are_honoured():
@@ -143,7 +156,7 @@ def test_a_peer_catching_up_is_made_whole_at_the_epoch_it_asked_for():
 
             swarm_epoch = max(a.local_epoch, b.local_epoch)
             b._begin_catching_up(state_epoch=swarm_epoch - 2, swarm_epoch=swarm_epoch)
-            assert b.catching_up_since is not None and b.repairs.requested == repair_epoch(swarm_epoch)
+            assert b.catching_up_since is not None and b.repairs.requested is None  # asked for at its next step
 
             caught_up_at = []
 
@@ -167,7 +180,7 @@ def test_a_peer_catching_up_is_made_whole_at_the_epoch_it_asked_for():
             assert not errors, errors
             requested = b.repairs.requested
             # the round at the start of the requested epoch made B whole (its first request, or a renewed one)
-            assert requested >= repair_epoch(swarm_epoch)
+            assert requested >= repair_epoch(swarm_epoch, in_reach=True)
             assert requested <= caught_up_at[0] <= requested + 1, (requested, caught_up_at)
             assert b.state_averager.holds_swarm_state.value
         finally:
