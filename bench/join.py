@@ -28,6 +28,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.formulas import MBIT, rounded
@@ -50,7 +51,7 @@ MICRO_BATCH_S = 0.2  # the shadow peers' forward and backward (bench.wan's GPT-2
 TARGET_BATCH_SIZE = 512
 
 
-def shadow_flags(prefix: str, address: str, mbit: float, layers: int, mode: list[str], output: Path) -> list[str]:
+def shadow_flags(prefix: str, address: str, mbit: float, layers: int, mode: Sequence[str], output: Path) -> list[str]:
     """A shadow peer's own flags: its address, the link rate its timeouts are derived from (``--bandwidth``: both
     peers give the newcomer's, as a swarm's operator sizes them for its slowest volunteers), its model's size and
     ``mode``'s flags (none: the synchronous mode)."""
@@ -65,7 +66,7 @@ def first_own_round(events: list[dict]) -> dict | None:
     return next(filter(own_round, events), None)
 
 
-def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: list[str] = ()) -> dict:
+def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: Sequence[str] = ()) -> dict:
     """Run the veteran and the newcomer, both with ``mode``'s flags; the figures of the newcomer's join."""
     log_dir.mkdir(parents=True, exist_ok=True)
     names = ("veteran", "newcomer")
