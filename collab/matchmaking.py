@@ -29,7 +29,11 @@ A group's all-reduce that starts a DHT store late on one side. hivemind withdraw
 group is assembled and waits for that DHT store before the round starts its all-reduce. Where the DHT is slow, one
 groupmate starts seconds after the other, whose ``sender_timeout`` runs out first, and both keep their own values
 for the parts they exchange. The withdrawal is stored in the background (``TimedGroupKeyManager``): stored late it
-changes nothing, since it names its declaration's expiration and a round's next declaration names a later one.
+changes nothing, since it names its declaration's expiration and a round's next declaration names a later one. The
+averager's next round declares itself and asks leaders only once it is stored (for at most the matchmaking window):
+otherwise two peers starting their next rounds together each read the other's previous, still looking declaration,
+take it for an earlier leader and ask it to join; each holds its join lock while it waits, both requests time out,
+then each accepts the other's abandoned request and runs an all-reduce with a groupmate that is not there.
 """
 
 from __future__ import annotations
@@ -174,15 +178,21 @@ class TimedGroupKeyManager(GroupKeyManager):
     def __init__(self, manager: GroupKeyManager, on_call):
         super().__init__(manager.dht, manager.prefix, manager.group_bits, manager.target_group_size)
         self.on_call = on_call
+        self._withdrawal: asyncio.Task | None = None
 
     async def declare_averager(
         self, group_key: str, peer_id, expiration_time: float, looking_for_group: bool = True
     ) -> bool:
         declaring = self._timed_declaration(group_key, peer_id, expiration_time, looking_for_group)
         if not looking_for_group:  # a withdrawal: the round goes on to its all-reduce (module docstring)
-            asyncio.create_task(declaring)  # held until done by the averager process's task factory
+            self._withdrawal = asyncio.create_task(declaring)  # held until done by the process's task factory
             return True
         return await declaring
+
+    async def withdrawn(self, timeout: float) -> None:
+        """Return once the last withdrawal is stored, or after ``timeout`` seconds (it goes on storing)."""
+        if self._withdrawal is not None and not self._withdrawal.done():
+            await asyncio.wait({self._withdrawal}, timeout=timeout)
 
     async def _timed_declaration(self, *args) -> bool:
         started = time.monotonic()
@@ -248,6 +258,12 @@ class EpochMatchmaking(Matchmaking):
                 late = round(get_dht_time() - looking.scheduled_time, 3)
                 events.emit("round_given_up", seconds=late, reason="next_round")
         return await looking_until_cancelled(super().look_for_group(step), step)
+
+    async def _request_join_potential_leaders(self, step: StepControl) -> GroupInfo:
+        """hivemind's, once the previous round's withdrawal is stored (module docstring). Meanwhile this round, which
+        holds the lock of a round looking for a group, already accepts followers."""
+        await self.group_key_manager.withdrawn(timeout=self.min_matchmaking_time)
+        return await super()._request_join_potential_leaders(step)
 
 
 OWNER_CANCEL_GRACE = 5.0  # seconds a round its owner cancelled may take to read as cancelled in this process

@@ -99,9 +99,9 @@ def test_starting_an_averager_keeps_the_callers_sigint_handler():
 
 
 LATE_TRIGGER_SECONDS = 1.0  # the second peer starts its all-reduce this much later (the skew under test)
-# Under load a request to a DHT process can be lost in hivemind's pipe (the DHT logs ConnectionResetError from
-# multiprocessing's resource sharer), and a round with no deadline then looks for a group forever: the matching is set
-# up anew, with fresh nodes, a bounded number of times. What the tests assert happens after the match.
+# Matchmaking is not under test here, and a round with no deadline that is not matched looks for a group forever: the
+# matching is set up anew, with fresh nodes, a bounded number of times. (Its failure seen in CI, two groups formed at
+# once, is fixed where it arose: docs/RELIABILITY.md, "Two rounds each ran an all-reduce with a groupmate...")
 MATCHING_TRIES = 3
 MATCHING_PATIENCE = 30.0  # seconds a try waits for both rounds of both peers to be matched
 

@@ -5,6 +5,7 @@ slower than its matchmaking time."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -14,12 +15,14 @@ import pytest
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.utils import MSGPackSerializer
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager, entry_point_patches_applied
 from collab.matchmaking import (
     MatchmakingWindow,
+    TimedGroupKeyManager,
     gathered_part_timeout,
     gathered_round_epoch,
     matchmaking_window,
@@ -302,3 +305,43 @@ def test_a_groupmate_slow_to_withdraw_its_declaration_starts_its_all_reduce_with
         assert slow - fast > SENDER_TIMEOUT, f"plain hivemind started {slow - fast:.1f} s apart: fixed there?"
     else:
         assert abs(slow - fast) < 1.5 and averaged == [1.0, 1.0]
+
+
+SLOW_STORE = 3.0  # seconds the withdrawing DHT takes to store a withdrawal, blocking its event loop
+SHORT_WAIT = 0.5
+
+
+@pytest.mark.timeout(60)
+def test_the_next_round_can_wait_for_a_withdrawal_stored_in_the_background():
+    """A round's withdrawal is stored in the background so that its all-reduce starts at once; until it is stored the
+    other peers read the round as still looking for a group. ``withdrawn`` is what the averager's next round waits
+    for before it declares itself and asks leaders (collab/matchmaking.py docstring), for at most its timeout."""
+    prefix = "withdrawn"
+    key = f"{prefix}.0b"
+    with two_dhts(second_validators=[SlowWithdrawals([key], SLOW_STORE)], wait_timeout=1.0) as (reader_dht, dht):
+        manager = TimedGroupKeyManager(GroupKeyManager(dht, prefix, "", 2), on_call=lambda kind, seconds: None)
+        reader = GroupKeyManager(reader_dht, prefix, "", 2)
+
+        async def looking() -> list:
+            return [peer for peer, _ in await reader.get_averagers(key, only_active=True)]
+
+        async def scenario() -> dict:
+            figures = {}
+            for round_index, wait in enumerate((30.0, SHORT_WAIT)):
+                expiration = get_dht_time() + 60 + round_index
+                assert await manager.declare_averager(key, dht.peer_id, expiration)
+                started = time.monotonic()
+                await manager.declare_averager(key, dht.peer_id, expiration, looking_for_group=False)
+                figures[f"returned_{round_index}"] = time.monotonic() - started
+                figures[f"looking_before_{round_index}"] = await looking()
+                await manager.withdrawn(timeout=wait)
+                figures[f"waited_{round_index}"] = time.monotonic() - started
+                figures[f"looking_after_{round_index}"] = await looking()
+                await manager.withdrawn(timeout=30.0)  # the next round begins on a stored withdrawal
+            return figures
+
+        figures = asyncio.run(scenario())
+    assert figures["returned_0"] < SHORT_WAIT and figures["returned_1"] < SHORT_WAIT, figures
+    assert figures["looking_before_0"] == [dht.peer_id] and figures["looking_before_1"] == [dht.peer_id], figures
+    assert figures["waited_0"] >= SLOW_STORE and figures["looking_after_0"] == [], figures
+    assert SHORT_WAIT <= figures["waited_1"] < SLOW_STORE and figures["looking_after_1"] == [dht.peer_id], figures
