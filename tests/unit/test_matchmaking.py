@@ -307,7 +307,7 @@ def test_a_groupmate_slow_to_withdraw_its_declaration_starts_its_all_reduce_with
         assert abs(slow - fast) < 1.5 and averaged == [1.0, 1.0]
 
 
-SLOW_STORE = 3.0  # seconds the withdrawing DHT takes to store a withdrawal, blocking its event loop
+SLOW_STORE = 2.0  # seconds the withdrawing DHT takes to store a withdrawal, blocking its event loop
 SHORT_WAIT = 0.5
 
 
