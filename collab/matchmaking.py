@@ -190,9 +190,11 @@ class TimedGroupKeyManager(GroupKeyManager):
         return await declaring
 
     async def withdrawn(self, timeout: float) -> None:
-        """Return once the last withdrawal is stored, or after ``timeout`` seconds (it goes on storing)."""
-        if self._withdrawal is not None and not self._withdrawal.done():
-            await asyncio.wait({self._withdrawal}, timeout=timeout)
+        """Return once the last withdrawal is stored, or after ``timeout`` seconds (it goes on storing). Each one is
+        waited for once: a store that never returns delays one round, not every round after it."""
+        withdrawal, self._withdrawal = self._withdrawal, None
+        if withdrawal is not None and not withdrawal.done():
+            await asyncio.wait({withdrawal}, timeout=timeout)
 
     async def _timed_declaration(self, *args) -> bool:
         started = time.monotonic()
