@@ -262,8 +262,8 @@ class EpochMatchmaking(Matchmaking):
         return await looking_until_cancelled(super().look_for_group(step), step)
 
     async def _request_join_potential_leaders(self, step: StepControl) -> GroupInfo:
-        """hivemind's, once the previous round's withdrawal is stored (module docstring). Meanwhile this round, which
-        holds the lock of a round looking for a group, already accepts followers."""
+        """hivemind's, once the previous round's withdrawal is stored (module docstring). Meanwhile a peer that asks
+        this one to lead is told it has not declared (NOT_DECLARED) and goes on at once."""
         await self.group_key_manager.withdrawn(timeout=self.min_matchmaking_time)
         return await super()._request_join_potential_leaders(step)
 
