@@ -339,9 +339,9 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         """While catching up, ask for the parameter round that makes this peer whole (collab/repairs.py): once the
         tracker has read the swarm's progress since the download (it times the request), and again once a requested
         round has passed without making it whole (no group formed, or part of it was kept local)."""
-        averager = self.state_averager
         if self.repairs is None or self.catching_up_since is None:
             return
+        averager = self.state_averager
         if averager.averaging_in_progress or averager.holds_swarm_state.value:
             return  # a round still running, or one that made it whole (the next step ends catching up)
         requested, now = self.repairs.requested, get_dht_time()
