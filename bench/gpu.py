@@ -57,6 +57,13 @@ GPU_MODES = [
         rounds="outer_rounds",
         min_window_s=LOWCOMM_WINDOW_S,
     ),
+    GpuMode(
+        "base bf16 lowcomm H=4 topk",
+        "base",
+        ("--bf16", *lowcomm_flags(MODES_LOCAL_STEPS, "topk")),
+        rounds="outer_rounds",
+        min_window_s=LOWCOMM_WINDOW_S,
+    ),
 ]
 
 
