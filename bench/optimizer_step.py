@@ -1,7 +1,7 @@
 """``python -m bench.optimizer_step [--device cuda] [--threads N]``: milliseconds per Lamb step (the median of
 several), torch_optimizer's per-tensor loop against the project's ``SameLayoutLamb`` (tensors stepped together),
 side by side on the default model and on a BERT-base shape (``bench.gpu.BERT_BASE_SHAPE``). Prints one JSON line
-per model.
+per model; on a GPU also the same step in the CPU's shorter runs of tensors (``foreach_chunk_elements``).
 
 The low-communication mode steps Lamb after every mini-batch, on the training device; the synchronous mode once
 per global epoch, on the CPU (offloaded). Both pay this step.
@@ -19,19 +19,19 @@ from torch_optimizer import Lamb
 from transformers import AutoModelForMaskedLM
 
 from bench.gpu import BERT_BASE_SHAPE
-from collab.optim import SameLayoutLamb, parameter_groups
+from collab.optim import SameLayoutLamb, foreach_chunk_elements, parameter_groups
 from trainer.model import tiny_bert_config
 
 VOCABULARY = 4096  # the sample tokenizer's
 MODELS = {"tiny": ({}, 50), "base": (BERT_BASE_SHAPE, 9)}  # shape, timed steps
 
 
-def seconds_per_step(optimizer_class, shape: dict, steps: int, device: str) -> float:
+def seconds_per_step(optimizer_class, shape: dict, steps: int, device: str, **options) -> float:
     torch.manual_seed(0)
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(VOCABULARY, **shape)).to(device)
     for param in model.parameters():
         param.grad = torch.randn_like(param) * 1e-3
-    optimizer = optimizer_class(parameter_groups(model, 0.01), lr=1e-3, debias=True)
+    optimizer = optimizer_class(parameter_groups(model, 0.01), lr=1e-3, debias=True, **options)
     optimizer.step()  # creates the state: not timed
     seconds = []
     for _ in range(steps):
@@ -54,20 +54,23 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (the trainer's offloaded Lamb: 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    on_cpu = torch.device(args.device).type == "cpu"
     for name, (shape, steps) in MODELS.items():
         loop, at_once = (seconds_per_step(cls, shape, steps, args.device) for cls in (Lamb, SameLayoutLamb))
-        print(
-            json.dumps(
-                {
-                    "model": name,
-                    "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
-                    "threads": args.threads,
-                    "lamb_loop_ms": round(loop * 1000, 2),
-                    "lamb_at_once_ms": round(at_once * 1000, 2),
-                    "speedup": round(loop / at_once, 2),
-                }
+        row = {
+            "model": name,
+            "device": args.device if on_cpu else torch.cuda.get_device_name(0),
+            "threads": args.threads,
+            "lamb_loop_ms": round(loop * 1000, 2),
+            "lamb_at_once_ms": round(at_once * 1000, 2),
+            "speedup": round(loop / at_once, 2),
+        }
+        if not on_cpu:  # the runs a GPU steps at once against the CPU's shorter ones, side by side
+            cpu_runs = seconds_per_step(
+                SameLayoutLamb, shape, steps, args.device, chunk_elements=foreach_chunk_elements(torch.device("cpu"))
             )
-        )
+            row.update(lamb_cpu_runs_ms=round(cpu_runs * 1000, 2), speedup_over_cpu_runs=round(cpu_runs / at_once, 2))
+        print(json.dumps(row))
     return 0
 
 

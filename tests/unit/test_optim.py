@@ -9,7 +9,6 @@ from hivemind.optim.state_averager import dump_optimizer_state, initialize_optim
 from torch_optimizer import Lamb
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
-import collab.optim
 from arguments import (
     AveragerArguments,
     OptimizerArguments,
@@ -22,6 +21,7 @@ from collab.optim import (
     SameLayoutLamb,
     build_optimizer,
     finish_delayed_updates,
+    foreach_chunk_elements,
     gradient_compression,
     lamb_factory,
     local_batch_size,
@@ -226,12 +226,12 @@ def test_lamb_state_keeps_one_layout_when_a_gradient_is_zero():
 @pytest.mark.parametrize(
     "options", [{"debias": True}, {"debias": False}, {"adam": True}, {"debias": True, "clamp_value": 0.5}]
 )
-@pytest.mark.parametrize("chunk_elements", [1 << 22, 40])
-def test_lamb_steps_as_torch_optimizer_lamb_does(options, chunk_elements, monkeypatch):
-    # SameLayoutLamb steps tensors together, in runs of at most FOREACH_CHUNK_ELEMENTS values (40: the 35-value
-    # tensor alone, then the rest); torch_optimizer's Lamb, one by one, is the reference. Two groups (weight decay
-    # or none), a gradient of zeros (trust ratio 1) and a tensor that misses a step (its own count).
-    monkeypatch.setattr(collab.optim, "FOREACH_CHUNK_ELEMENTS", chunk_elements)
+@pytest.mark.parametrize("chunk_elements", [None, 40])
+def test_lamb_steps_as_torch_optimizer_lamb_does(options, chunk_elements):
+    # SameLayoutLamb steps tensors together, in runs of at most chunk_elements values (None: the device's choice, all
+    # at once here; 40: the 35-value tensor alone, then the rest); torch_optimizer's Lamb, one by one, is the
+    # reference. Two groups (weight decay or none), a gradient of zeros (trust ratio 1) and a tensor that misses a
+    # step (its own count).
 
     def fresh():
         generator = torch.Generator().manual_seed(1)
@@ -241,7 +241,10 @@ def test_lamb_steps_as_torch_optimizer_lamb_does(options, chunk_elements, monkey
         return params, [{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:], "weight_decay": 0.0}]
 
     (reference, reference_groups), (ours, our_groups) = fresh(), fresh()
-    reference_lamb, our_lamb = Lamb(reference_groups, lr=0.1, **options), SameLayoutLamb(our_groups, lr=0.1, **options)
+    reference_lamb, our_lamb = (
+        Lamb(reference_groups, lr=0.1, **options),
+        SameLayoutLamb(our_groups, lr=0.1, chunk_elements=chunk_elements, **options),
+    )
     for step in range(6):
         generator = torch.Generator().manual_seed(step)
         for index, (theirs, mine) in enumerate(zip(reference, ours, strict=True)):
@@ -257,3 +260,12 @@ def test_lamb_steps_as_torch_optimizer_lamb_does(options, chunk_elements, monkey
         assert not torch.equal(mine, initial)
     assert [our_lamb.state[param]["step"] for param in ours] == [6, 6, 6, 5]
     assert float(our_lamb.state[ours[2]]["trust_ratio"]) != 1.0  # recomputed after the zero gradient of step 0
+
+
+def test_a_gpu_steps_longer_runs_of_tensors_than_the_cpu():
+    # on the CPU a model-sized scratch was handed back and refaulted every step; on a GPU each run costs a dozen
+    # kernel launches from Python (docs/benchmarks/2026-11-28-nvidia-h200-gpu.md)
+    cpu, gpu = foreach_chunk_elements(torch.device("cpu")), foreach_chunk_elements(torch.device("cuda", 0))
+    assert cpu == 1 << 22
+    assert gpu >= 16 * cpu
+    assert gpu * 4 <= 256 * 2**20  # the fp32 scratch of one run stays within 256 MB
