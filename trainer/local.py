@@ -67,6 +67,15 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def is_shared_memory_manager(pid: int) -> bool:
+    """Whether ``pid`` runs torch's shared-memory manager, which unlinks the /dev/shm files of the processes it served
+    once they are gone (hivemind shares tensors through such files)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"torch_shm_manager")
+    except OSError:
+        return False
+
+
 def tracebacks_from_our_code(log: str) -> list[str]:
     """The tracebacks in ``log`` that pass through this project's code and end in an error there. A cancellation or a
     connection error is not one: hivemind logs a round whose groupmate died with the error that reached whatever was
@@ -246,8 +255,11 @@ class LocalProcess:
         return self.process.poll()
 
     def kill(self) -> None:
-        """SIGKILL the process group and every descendant: hivemind's helpers run in process groups of their own."""
+        """SIGKILL the process group and every descendant: hivemind's helpers run in process groups of their own.
+        torch's shared-memory manager is spared: it cleans up after them and exits (killed, it left their /dev/shm
+        files in memory until the machine restarted)."""
         tree = process_tree(self.process.pid) if self.process.poll() is None else []
+        tree = [pid for pid in tree if not is_shared_memory_manager(pid)]
         self._signal_group(signal.SIGKILL)
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):

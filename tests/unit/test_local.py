@@ -55,3 +55,31 @@ def test_processes_sharing_the_machine_get_one_thread_unless_told_otherwise(
     tmp_path, monkeypatch, env, outer, expected
 ):
     assert started_with_threads(tmp_path, env, monkeypatch, outer) == expected
+
+
+SHARES_MEMORY_AS_HIVEMIND_DOES = """
+import time
+import torch
+import torch.multiprocessing
+
+torch.multiprocessing.set_sharing_strategy("file_system")  # hivemind.utils.mpfuture's choice
+tensor = torch.zeros(1024).share_memory_()
+print("shared", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_a_crashed_process_leaves_no_shared_memory_behind(tmp_path):
+    # torch's shared-memory manager unlinks a process's /dev/shm files once it is gone: killed with it, it left them
+    # in memory for good (hundreds of MB a test run, over a GB a swarm benchmark)
+    script = tmp_path / "shares.py"
+    script.write_text(SHARES_MEMORY_AS_HIVEMIND_DOES)
+    child = LocalProcess([], tmp_path / "shares.log", script=str(script))
+    files = f"torch_{child.process.pid}_*"
+    try:
+        wait_until(lambda: "shared" in child.log(), 30, "the child's shared tensor")
+        assert list(Path("/dev/shm").glob(files))
+    finally:
+        child.crash()
+    wait_until(lambda: not list(Path("/dev/shm").glob(files)), 10, "the crashed child's /dev/shm files to go")
