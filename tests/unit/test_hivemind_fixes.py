@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -32,6 +33,7 @@ from collab.hivemind_fixes import (
     SpacedProgressTracker,
     _original_switch_to_uvloop,
     entry_point_patches_applied,
+    run_leaving_no_task_pending,
     switch_to_uvloop_keeping_tasks,
 )
 from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
@@ -75,6 +77,42 @@ def test_plain_hivemind_loop_loses_the_task():
 def test_patched_loop_keeps_the_task_until_it_is_answered():
     survived, answer = run_task_waiting_on_weakly_held_future(switch_to_uvloop_keeping_tasks)
     assert (survived, answer) == (True, "answered")
+
+
+def tasks_destroyed_pending(run) -> list[str]:
+    """What asyncio logs when ``run(loop, main)`` returns and the loop is dropped, where ``main`` ends as hivemind's
+    progress fetcher can: its shutdown checker's thread has returned, the result has not reached the loop yet."""
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+        loop = asyncio.new_event_loop()
+        shutdown = threading.Event()
+
+        async def fetcher():
+            executor_wait = asyncio.get_running_loop().run_in_executor(None, shutdown.wait)
+            asyncio.create_task(asyncio.wait_for(executor_wait, None))
+            await asyncio.sleep(0.01)
+            shutdown.set()
+            await asyncio.sleep(0)
+
+        run(loop, fetcher())
+        time.sleep(0.1)  # the executor's thread returns meanwhile
+        del loop
+        gc.collect()
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    return [message for message in logged if "Task was destroyed but it is pending" in message]
+
+
+def test_plain_hivemind_loop_ends_with_a_task_pending():
+    assert tasks_destroyed_pending(lambda loop, main: loop.run_until_complete(main))
+
+
+def test_the_tracker_thread_ends_with_no_task_pending():
+    assert tasks_destroyed_pending(run_leaving_no_task_pending) == []
+    assert SpacedProgressTracker.run is hivemind_fixes.tracker_run_leaving_no_task_pending
 
 
 def test_starting_an_averager_keeps_the_callers_sigint_handler():
