@@ -7,13 +7,14 @@ an ``AccessToken`` (its public key, an expiry, the authority's signature) and th
 request and response then carries the sender's token and a signature by the sender's key; a peer accepts only those
 whose token the authority signed and that have not expired.
 
-Staying up while the web app is down: a peer refreshes its token once half of its lifetime has passed, in the
-background, and keeps using the current one while refreshes fail (retried with backoff, logged once per outage),
-so an outage shorter than half the lifetime goes unnoticed. It pins the authority key it got first: a refresh that
-brings another key (the admin rotated a token, or someone else answers at that URL) is refused and logged, and
-the peer runs on until its token expires; restart it with the current token to let it in again. Clocks must agree
-within hivemind's one minute (``TokenAuthorizerBase._MAX_CLIENT_SERVICER_TIME_DIFF``): a peer whose clock is
-further off has its DHT requests refused.
+Staying up while the web app is down: a peer refreshes its token once a quarter of its lifetime has passed, in the
+background, and keeps using the current one while refreshes fail (retried with backoff, at least every quarter of
+the time the token has left, logged once per outage), so an outage shorter than three quarters of the lifetime
+(less a second's retry and one request's timeout) goes unnoticed. It pins the authority key it got first: a
+refresh that brings another key (the admin rotated a token, or someone else answers at that URL) is refused and
+logged, and the peer runs on until its token expires; restart it with the current token to let it in again. Clocks
+must agree within hivemind's one minute (``TokenAuthorizerBase._MAX_CLIENT_SERVICER_TIME_DIFF``): a peer whose
+clock is further off has its DHT requests refused.
 
 What this does NOT cover: hivemind authorizes DHT calls only. Gradient and parameter averaging and state
 downloads travel over libp2p streams that are not checked, so a peer that knows another's address can still
@@ -33,13 +34,29 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from collab import events
 from collab.errors import AccessError
 from collab.wire import bearer_header
 
 logger = logging.getLogger(__name__)
 
-REFRESH_FRACTION = 0.5  # of a token's lifetime, after which the peer asks for the next one
+REFRESH_FRACTION = 0.25  # of a token's lifetime, after which the peer asks for the next one
 FIRST_RETRY_DELAY, MAX_RETRY_DELAY = 1.0, 60.0  # seconds between failed refreshes, doubling
+RETRY_SHARE_OF_TIME_LEFT = 0.25  # and at most this share of the time the current token has left
+
+
+def within_time_left(seconds: float, seconds_left: float) -> float:
+    """``seconds``, but at most a quarter of the current token's ``seconds_left`` (and FIRST_RETRY_DELAY at least):
+    so a wait during an outage that ends in time still ends in time."""
+    return max(FIRST_RETRY_DELAY, min(seconds, RETRY_SHARE_OF_TIME_LEFT * seconds_left))
+
+
+def next_retry_delay(previous: float, seconds_left: float) -> float:
+    """Seconds until the next refresh after a failed one: doubling from FIRST_RETRY_DELAY up to MAX_RETRY_DELAY,
+    ``within_time_left``."""
+    return within_time_left(min(MAX_RETRY_DELAY, max(FIRST_RETRY_DELAY, 2 * previous)), seconds_left)
+
+
 JOIN_PROOF = b"collab-train join v1\n"
 
 
@@ -132,7 +149,8 @@ class WebAppAuthorizer(TokenAuthorizerBase):
         self._retry_delay = 0.0  # 0 while refreshes succeed; else the wait before the next attempt
         self._refreshing: asyncio.Task | None = None
 
-    def _request_token(self) -> tuple[AccessToken, RSAPublicKey]:
+    def _request_token(self, timeout: float | None = None) -> tuple[AccessToken, RSAPublicKey]:
+        """A new token from the web app, waiting at most ``timeout`` seconds (the authorizer's own by default)."""
         import requests
 
         headers = bearer_header(self.experiment_token)
@@ -142,7 +160,7 @@ class WebAppAuthorizer(TokenAuthorizerBase):
             "proof": base64.b64encode(sign_join_proof(self._local_private_key, self.username)).decode(),
         }
         try:
-            response = requests.post(self.join_url, json=body, headers=headers, timeout=self.timeout)
+            response = requests.post(self.join_url, json=body, headers=headers, timeout=timeout or self.timeout)
         except requests.RequestException as e:
             raise AccessError(f"--authorization_url: could not reach {self.join_url} ({e})") from None
         if response.status_code in (401, 403):
@@ -179,11 +197,16 @@ class WebAppAuthorizer(TokenAuthorizerBase):
         self._refresh_after = now + (expiration - now) * REFRESH_FRACTION
         logger.info("Got an access token valid until %s", token.expiration_time)
 
+    @staticmethod
+    def _seconds_left(token: AccessToken) -> float:
+        expiration = token_expiration(token)
+        return expiration.timestamp() - time.time() if expiration is not None else 0.0
+
     def fetch_first_token(self) -> None:
         self._accept(*self._request_token())
 
-    async def get_token(self) -> AccessToken:
-        token, authority = await asyncio.get_running_loop().run_in_executor(None, self._request_token)
+    async def get_token(self, timeout: float | None = None) -> AccessToken:
+        token, authority = await asyncio.get_running_loop().run_in_executor(None, self._request_token, timeout)
         self._accept(token, authority)
         return token
 
@@ -205,18 +228,22 @@ class WebAppAuthorizer(TokenAuthorizerBase):
                 await self.get_token()
 
     async def _refresh(self) -> None:
-        """One refresh attempt; a failure keeps the current token and sets the next attempt's time (backoff)."""
+        """One refresh attempt; a failure keeps the current token and sets the next attempt's time (backoff). An app
+        that hangs (stopped, or a black-holed link) is given up on within a quarter of the time the token has left,
+        as a retry would be, so the retries go on."""
         async with self._refresh_lock:
+            current = self._local_access_token
             try:
-                await self.get_token()
+                await self.get_token(timeout=within_time_left(self.timeout, self._seconds_left(current)))
             except AccessError as e:
                 if not self._retry_delay:
                     logger.warning(
                         "Could not refresh the access token (%s); using the current one until %s and retrying",
                         e,
-                        self._local_access_token.expiration_time,
+                        current.expiration_time,
                     )
-                self._retry_delay = min(MAX_RETRY_DELAY, max(FIRST_RETRY_DELAY, 2 * self._retry_delay))
+                    events.emit("access_refresh_failed", valid_until=current.expiration_time)
+                self._retry_delay = next_retry_delay(self._retry_delay, self._seconds_left(current))
                 self._refresh_after = time.time() + self._retry_delay
                 return
             if self._retry_delay:

@@ -29,9 +29,11 @@ from trainer.local import MonitorProcess, PeerProcess, wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ADMIN = "integration-admin-token"
-LIFETIME = 40  # seconds: processes refresh at half of it, so every 20 s here
-OUTAGE = 18  # seconds the web app is frozen: under LIFETIME / 2, so no token held at its start expires during it
-STEPS = 10
+LIFETIME = 40  # seconds: processes refresh at a quarter of it, so every 10 s here
+# seconds the web app is frozen: longer than the refresh interval, so every process has a refresh fail, and shorter
+# than the 30 s that any token held at its start has left
+OUTAGE = 20
+STEPS = 14  # about 2 s each: the run outlasts the outage by several steps
 A_NAME = 'peer <A> "one"'  # A's --public_name: the dashboard shows it escaped
 
 
@@ -240,3 +242,5 @@ def test_peers_keep_stepping_while_the_web_app_is_frozen(guarded):
     assert outage.steps_at_end > outage.steps_at_start, (
         f"no global step during the {OUTAGE} s web-app outage (steps {outage.steps_at_start})"
     )
+    for name, peer in guarded["peers"].items():
+        assert len(peer.events("access_refresh_failed")) == 1, f"{name} did not see the outage once"

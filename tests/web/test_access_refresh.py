@@ -10,11 +10,11 @@ import time
 import pytest
 import requests
 
-from collab.access import WebAppAuthorizer
+from collab.access import WebAppAuthorizer, next_retry_delay, within_time_left
 from tests.web.live import running_web_server
 
 ADMIN_TOKEN = "refresh-admin-token"
-LIFETIME = 16  # seconds: the token is due for a refresh after 8; failed refreshes retry after 1 s, then 2 s
+LIFETIME = 16  # seconds: the token is due for a refresh after 4; failed refreshes retry after 1 s, then 2 s
 
 
 @pytest.fixture
@@ -88,10 +88,29 @@ def test_a_refresh_signed_by_another_authority_is_refused(web, caplog):
     assert rotated.status_code == 200  # replaces the authority key; the monitor token still lets it in
 
     async def refresh_once() -> None:
-        authorizer._refresh_after = 0.0  # due now, rather than waiting half the lifetime
+        authorizer._refresh_after = 0.0  # due now, rather than waiting a quarter of the lifetime
         await authorizer.refresh_token_if_needed()
         await authorizer._refreshing
 
     asyncio.run(refresh_once())
     assert authorizer.authority_public_key.to_bytes() == pinned and authorizer._local_access_token is first
     assert "now signs with another authority key" in caplog.text
+
+
+def test_retries_double_up_to_a_minute_and_come_closer_as_the_token_nears_expiry():
+    delays, previous = [], 0.0
+    for _ in range(8):  # an hour's token with most of its life left: doubling, then the one-minute cap
+        previous = next_retry_delay(previous, seconds_left=3000.0)
+        delays.append(previous)
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert next_retry_delay(32.0, seconds_left=100.0) == 25.0  # a quarter of what is left, not 64 s
+    assert next_retry_delay(8.0, seconds_left=2.0) == 1.0  # never faster than once a second
+    # retries from the refresh's due time (a quarter of a 40-s lifetime, 30 s left) reach past 28 s before expiry
+    spent, delay = 0.0, 0.0
+    while spent < 28.0:
+        delay = next_retry_delay(delay, 30.0 - spent)
+        spent += delay
+    assert spent < 30.0
+    # a refresh request to an app that hangs gives up as soon: the authorizer's 30 s, or a quarter of what is left
+    assert within_time_left(30.0, seconds_left=2700.0) == 30.0
+    assert within_time_left(30.0, seconds_left=30.0) == 7.5
