@@ -14,6 +14,7 @@ logger = logging.getLogger("run_web")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from collab.entry import escape_log_messages
     from collab.errors import UserError
     from collab.extras import require_extra
 
@@ -25,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from web.settings import parse_web_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the app's messages one line each; uvicorn's own handlers come later and write request paths percent-encoded
+    escape_log_messages()
     try:
         settings = parse_web_args(argv)
     except UserError as e:
