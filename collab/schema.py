@@ -112,8 +112,9 @@ def honest_step(steps: Sequence[int], step_lag: int) -> int:
     """The swarm's global step by its honest majority: the newest step at most ``step_lag`` past the lower median.
 
     A minority of records (one liar, or several) cannot move it by more than ``step_lag``, however far ahead they
-    claim to be. The price: when most peers leave at once, their records hold the step at theirs until they expire
-    (statistics_expiration), since a lone peer running ahead looks the same as a liar.
+    claim to be. The price: when most peers leave at once, their records hold the step at theirs until they are
+    left out (the monitor counts only peers whose progress records live: ``monitor.aggregate.with_live_progress``),
+    since a lone peer running ahead looks the same as a liar.
     """
     ordered = sorted(steps)
     limit = ordered[(len(ordered) - 1) // 2] + step_lag

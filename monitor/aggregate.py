@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +45,15 @@ def live_metrics(records: Mapping[Any, tuple[Any, float]], now: float) -> dict[A
         if metrics is not None:
             alive[peer] = metrics
     return alive
+
+
+def with_live_progress(alive: Mapping[Any, LocalMetrics], progressing: Collection[Any]) -> dict[Any, LocalMetrics]:
+    """The records of the peers in ``progressing``, those whose training-progress record has not expired: a running
+    peer stores it at least every half ``metadata_expiration`` (a minute by default) however long its epochs, so a
+    peer that left drops out within a minute, where its metrics record lives ``statistics_expiration`` (ten). All of
+    ``alive`` when no progress record is in sight (a monitor that reads none must still report)."""
+    live = {peer: metrics for peer, metrics in alive.items() if peer in progressing}
+    return live or dict(alive)
 
 
 def far_ahead(alive: Mapping[Any, LocalMetrics], step: int) -> list[Any]:

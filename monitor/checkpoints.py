@@ -119,6 +119,7 @@ class CheckpointSaver:
                 step,
                 self.epoch_tolerance,
             )
+            events.emit("checkpoint_refused", epoch=epoch, step=step)
             epoch = None
         if epoch is None or (self.last_saved_step is not None and epoch <= self.last_saved_step):
             self._next_try = time.monotonic() + self.retry_period

@@ -17,10 +17,18 @@ from arguments import SECRET_SETTINGS, MetricsArguments, MonitorConfig, to_confi
 from collab import events
 from collab.dht import joined_fields, start_dht
 from collab.extras import require_extra
+from collab.hivemind_fixes import progress_key
 from collab.optim import build_state_averager, collaboration_timeouts
 from collab.schema import make_validators, peer_fingerprint, read_metrics
 from collab.timeouts import LOAD_STATE_TIMEOUT_FLOOR
-from monitor.aggregate import count_contributions, far_ahead, live_metrics, summarize, top_contributors
+from monitor.aggregate import (
+    count_contributions,
+    far_ahead,
+    live_metrics,
+    summarize,
+    top_contributors,
+    with_live_progress,
+)
 from monitor.checkpoints import CheckpointSaver, default_epoch_tolerance
 from monitor.sinks import Sink, build_sinks, last_step_in, write_all
 from monitor.upload import Uploader, make_target
@@ -78,13 +86,21 @@ def log_far_ahead(alive: dict, step: int, logged: set) -> None:
         )
 
 
+def progressing_peers(dht, prefix: str, now: float) -> set:
+    """The peers (signing keys, as their metrics records' subkeys) whose training-progress record has not expired."""
+    found = dht.get(progress_key(prefix), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return set()
+    return {subkey for subkey, entry in found.value.items() if getattr(entry, "expiration_time", 0) > now}
+
+
 def refresh(
     dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None, step_lag: int
 ) -> None:
     """One refresh: read the records, save a checkpoint when due (and evaluate it when that is due), then report a
     new global step to every sink; an evaluation's ``eval_*`` keys ride on the first step reported after it."""
     now = get_dht_time()
-    alive = live_metrics(read_metrics(dht, prefix), now)
+    alive = with_live_progress(live_metrics(read_metrics(dht, prefix), now), progressing_peers(dht, prefix, now))
     metrics = summarize(alive, now, step_lag)
     if metrics is None:
         logger.debug("No live metrics records yet")

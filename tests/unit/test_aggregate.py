@@ -15,6 +15,7 @@ from monitor.aggregate import (
     live_metrics,
     summarize,
     top_contributors,
+    with_live_progress,
 )
 from tests.conftest import metrics_record
 
@@ -69,6 +70,25 @@ def test_a_peer_that_stopped_publishing_stops_counting_after_step_lag_epochs():
     assert metrics.loss == pytest.approx(10.0 / 4)
     assert aggregate(records, NOW, step_lag=3).alive_peers == 3  # 4 >= 7 - 3: still counted
     assert aggregate(records, NOW, step_lag=0).alive_peers == 1  # only the newest step
+
+
+def test_peers_that_left_stop_holding_the_step_once_their_progress_records_expire():
+    # the fault drill: peer 1 killed at step 4, peer 2 stopped at 8 and back under a new key; the two running peers
+    # at 11 were taken for liars by the median of four records, and the monitor reported nothing for minutes
+    records = {
+        b"killed": (metrics_record(step=4), NOW + 500),
+        b"stopped": (metrics_record(step=8), NOW + 500),
+        b"running": (metrics_record(step=11), NOW + 500),
+        b"restarted": (metrics_record(step=11), NOW + 500),
+    }
+    alive = live_metrics(records, NOW)
+    assert summarize(alive, NOW, step_lag=2).step == 8
+    live = with_live_progress(alive, {b"running", b"restarted", b"no metrics yet"})
+    assert sorted(live) == [b"restarted", b"running"]
+    assert (summarize(live, NOW, step_lag=2).step, summarize(live, NOW, step_lag=2).alive_peers) == (11, 2)
+    # no progress record in sight (none readable, or all expired): the metrics records alone, as before
+    assert with_live_progress(alive, set()) == alive
+    assert with_live_progress(alive, {b"someone else"}) == alive
 
 
 def test_each_peer_counts_once():
