@@ -196,6 +196,7 @@ class WebAppAuthorizer(TokenAuthorizerBase):
         self._local_access_token = token
         self._refresh_after = now + (expiration - now) * REFRESH_FRACTION
         logger.info("Got an access token valid until %s", token.expiration_time)
+        events.emit("access_token", valid_until=token.expiration_time)
 
     @staticmethod
     def _seconds_left(token: AccessToken) -> float:

@@ -121,6 +121,7 @@ def install_stop_handlers(stop: threading.Event) -> None:
             signal.Signals(signum).name,
             _shutdown.deadline,
         )
+        events.emit("stop_requested", signal=signal.Signals(signum).name, deadline_s=_shutdown.deadline)
         stop.set()
         threading.Thread(
             target=watch, args=(_shutdown, time.monotonic()), name="shutdown-watchdog", daemon=True

@@ -26,22 +26,27 @@ wait_for_step() {  # poll the monitor's metrics file until it reports step $1, f
   done
   say "monitor reports step $(last_step)"
 }
+# the last `event` line of an events file (docs/EVENTS.md), or nothing
+last_event() { $PY -c 'import sys; from collab.events import read_events; found = read_events(sys.argv[1], sys.argv[2])
+print(repr(found[-1]) if found else "")' "$1" "$2" 2>/dev/null; }
 start_peer() {  # start_peer N: a trainer whose pid lands in PEERS[N]
   $PY run_trainer.py --experiment_prefix "$PREFIX" "${FAST[@]}" "${JOIN[@]}" --output_dir "$D/peer$1" \
-    >> "$D/peer$1.log" 2>&1 &
+    --events_path "$D/peer$1.events.jsonl" >> "$D/peer$1.log" 2>&1 &
   PEERS[$1]=$!
 }
 
 $PY run_training_monitor.py --experiment_prefix "$PREFIX" "${FAST[@]}" --host_maddrs "/ip4/127.0.0.1/tcp/$PORT" \
   --identity_path "$D/monitor.key" --refresh_period 2 --metrics_path "$D/metrics.jsonl" --store_checkpoints \
-  --repo_path "$D/checkpoints" --save_checkpoint_step_interval 2 --keep_checkpoints 100 > "$D/monitor.log" 2>&1 &
+  --repo_path "$D/checkpoints" --save_checkpoint_step_interval 2 --keep_checkpoints 100 \
+  --events_path "$D/monitor.events.jsonl" > "$D/monitor.log" 2>&1 &
 MONITOR=$!
 deadline=$((SECONDS + 120))
-until line=$(grep -o -- '--initial_peers /[^ ]*' "$D/monitor.log") && [ -n "$line" ]; do
-  [ $SECONDS -lt $deadline ] || { say "FAILED: the monitor printed no address in 120 s"; exit 1; }
+until [ -n "$(last_event "$D/monitor.events.jsonl" joined)" ]; do
+  [ $SECONDS -lt $deadline ] || { say "FAILED: the monitor's DHT was not up in 120 s"; exit 1; }
   sleep 1
 done
-read -ra JOIN <<< "$(head -n 1 <<< "$line")"
+JOIN=(--initial_peers $($PY -c 'import sys; from collab.events import read_events
+print(" ".join(read_events(sys.argv[1], "joined")[-1]["address"]))' "$D/monitor.events.jsonl"))
 say "monitor up: ${JOIN[*]}"
 for n in 1 2 3; do start_peer $n; done
 say "three peers started"
@@ -55,7 +60,7 @@ wait "${PEERS[2]}"
 say "peer 2 stopped by SIGINT, exit code $?; starting it again"
 start_peer 2
 wait_for_step 16
-say "restarted peer 2: $(grep -o 'Starting at global epoch [0-9]*' "$D/peer2.log" | tail -n 1)"
+say "restarted peer 2: $(last_event "$D/peer2.events.jsonl" started)"
 kill -INT "${PEERS[2]}" "${PEERS[3]}"
 wait "${PEERS[2]}"; code2=$?
 wait "${PEERS[3]}"; code3=$?
@@ -65,16 +70,16 @@ say "peers 2 and 3 exit codes $code2 $code3, monitor $code_monitor"
 
 $PY - "$D" <<'PYTHON'
 import json
-import re
 import sys
 from pathlib import Path
 
 from collab.checkpoint import list_checkpoints
+from collab.events import read_events
 
 folder = Path(sys.argv[1])
 lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 steps = [line["step"] for line in lines]
-saved = sorted({int(s) for s in re.findall(r"Saved checkpoint \S+/(\d+)", (folder / "monitor.log").read_text())})
+saved = sorted({event["step"] for event in read_events(folder / "monitor.events.jsonl", "checkpoint_saved")})
 valid, invalid = list_checkpoints(folder / "checkpoints")
 lost = sorted(set(saved) - {manifest.step for _, manifest in valid})
 print("step  alive_peers  loss  samples/s")

@@ -16,7 +16,9 @@
 - ``pause_model_save@N=S``: the N-th save of the model to ``--output_dir`` by the process stops S seconds before it
   is written, so a test can see a peer's shutdown run out of time before its final save.
 
-Each ``@E`` fault fires once. The production code knows nothing of them: the wrappers patch names in their own
+Each ``@E`` fault fires once. Each fault, as it fires, writes a ``fault_injected`` event (``fault``, and ``epoch``,
+``folder`` or the drifted ``parameter``) to the program's ``--events_path``: tests read that, not the log. The
+production code knows nothing of them: the wrappers patch names in their own
 process (``trainer.peer.train``, ``trainer.peer.atomic_directory``, ``collab.checkpoint.stage_checkpoint_files``),
 then call the real ``main(argv)``.
 """
@@ -31,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from collab import events
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +59,13 @@ class Faults:
         if name in self.fired or name not in self.at_epoch or epoch < self.at_epoch[name]:
             return False
         self.fired.add(name)
-        logger.warning("Test fault %s injected at global epoch %d", name, epoch)
         return True
+
+
+def injected(fault: str, **fields) -> None:
+    """Say that ``fault`` fired: a log line, and a ``fault_injected`` event for tests to read."""
+    logger.warning("Test fault %s injected (%s)", fault, ", ".join(f"{key} {value}" for key, value in fields.items()))
+    events.emit("fault_injected", fault=fault, **fields)
 
 
 def parse_faults(spec: str) -> Faults:
@@ -109,7 +118,7 @@ def pause_checkpoint_writes(faults: Faults) -> None:
         stage_files(staging, *args, **kwargs)
         faults.writes += 1
         if faults.writes == faults.pause_write_number:
-            logger.warning("Test fault: pausing the checkpoint write of %s for %.0f s", staging, faults.pause_seconds)
+            injected("pause_checkpoint_write", folder=str(staging), seconds=faults.pause_seconds)
             time.sleep(faults.pause_seconds)
 
     collab.checkpoint.stage_checkpoint_files = stage_files_then_pause
@@ -127,9 +136,7 @@ def inject_training_faults(faults: Faults) -> None:
     def pause_then_atomic_directory(target, *args, **kwargs):
         faults.saves += 1
         if faults.saves == faults.pause_save_number:
-            logger.warning(
-                "Test fault: pausing the save of the model to %s for %.0f s", target, faults.pause_save_seconds
-            )
+            injected("pause_model_save", folder=str(target), seconds=faults.pause_save_seconds)
             time.sleep(faults.pause_save_seconds)
         with atomic_directory(target, *args, **kwargs) as folder:
             yield folder
@@ -148,6 +155,7 @@ def install_training_faults(faults: Faults, model: torch.nn.Module, optimizer, c
     def poison_loss(module, inputs, output):
         if faults.fire("nan_loss", optimizer.local_epoch):
             output.loss = output.loss * float("nan")
+            injected("nan_loss", epoch=optimizer.local_epoch)
         return output
 
     model.register_forward_hook(poison_loss)
@@ -157,8 +165,10 @@ def install_training_faults(faults: Faults, model: torch.nn.Module, optimizer, c
         if faults.fire("nan_parameters", optimizer.local_epoch):
             with torch.no_grad():
                 next(model.parameters()).fill_(float("nan"))
+            injected("nan_parameters", epoch=optimizer.local_epoch)
         if faults.fire("drift_parameters", optimizer.local_epoch):
-            logger.warning("Test fault: %s drifted by %g", drift_parameters(model, optimizer), DRIFT)
+            parameter = drift_parameters(model, optimizer)
+            injected("drift_parameters", epoch=optimizer.local_epoch, parameter=parameter, drift=DRIFT)
         return on_step_end(*args, **kwargs)
 
     callback.on_step_end = poison_parameters_then_step_end

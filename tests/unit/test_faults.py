@@ -1,12 +1,12 @@
 """tests/faults.py: the test-only fault spec, its one-shot triggers and the checkpoint-write pause."""
 
 import ast
-import logging
 from pathlib import Path
 
 import pytest
 
 import collab.checkpoint
+from collab import events
 from collab.checkpoint import read_manifest, write_checkpoint
 from tests.conftest import optimizer_state
 from tests.faults import parse_faults, pause_checkpoint_writes, split_faults_flag
@@ -41,16 +41,18 @@ def test_the_wrapper_flag_comes_first():
         split_faults_flag(["--experiment_prefix", "x"])
 
 
-def test_only_the_configured_write_pauses_between_its_files_and_its_manifest(tmp_path, model, monkeypatch, caplog):
+def test_only_the_configured_write_pauses_between_its_files_and_its_manifest(tmp_path, model, monkeypatch):
     monkeypatch.setattr(collab.checkpoint, "stage_checkpoint_files", collab.checkpoint.stage_checkpoint_files)
     pause_checkpoint_writes(parse_faults("pause_checkpoint_write@2=0"))
-    with caplog.at_level(logging.WARNING, logger="tests.faults"):
+    events_path = tmp_path.parent / f"{tmp_path.name}.events.jsonl"  # beside the checkpoints' folder
+    events.open_event_log(events_path)
+    try:
         for step in (1, 2, 3):
             write_checkpoint(tmp_path, step, model, None, optimizer_state(step))
-    paused = [
-        record.getMessage() for record in caplog.records if "pausing the checkpoint write" in record.getMessage()
-    ]
-    assert len(paused) == 1 and ".tmp-2-" in paused[0], paused
+    finally:
+        events.open_event_log(None)
+    paused = events.read_events(events_path, "fault_injected")
+    assert len(paused) == 1 and ".tmp-2-" in paused[0]["folder"], paused
     assert [read_manifest(tmp_path / str(step)).step for step in (1, 2, 3)] == [1, 2, 3]
 
 

@@ -9,6 +9,7 @@ from hivemind.utils import get_dht_time
 from transformers import AutoModelForMaskedLM
 
 from arguments import AveragerArguments, OptimizerArguments, PeerArguments, TrainingArguments
+from collab import events
 from collab.checkpoint import latest_checkpoint, read_manifest, write_checkpoint
 from collab.optim import build_state_averager
 from collab.schema import metrics_key
@@ -99,7 +100,7 @@ def test_a_checkpoint_far_past_the_swarm_is_set_aside_and_saving_goes_on(tmp_pat
     assert set_aside_checkpoints_past(tmp_path, 3) == [tmp_path / "rejected-4"]
 
 
-def test_the_saver_skips_a_liar_s_state_promptly_and_saves_the_swarm_s(tmp_path, caplog):
+def test_the_saver_skips_a_liar_s_state_promptly_and_saves_the_swarm_s(tmp_path):
     """A real peer serves its state under epoch 2^39: the monitor's saver downloads it without stepping the
     scheduler 2^39 times, saves nothing, and saves the next state whose epoch is the swarm's."""
     prefix = "liar_state_test"
@@ -120,15 +121,20 @@ def test_the_saver_skips_a_liar_s_state_promptly_and_saves_the_swarm_s(tmp_path,
         saver = CheckpointSaver(
             monitor, monitor_model, None, str(tmp_path), 5, 2, load_timeout=10, retry_period=0, epoch_tolerance=12
         )
-        with caplog.at_level(logging.WARNING, logger="monitor.checkpoints"):
+        events_path = tmp_path.parent / f"{tmp_path.name}.events.jsonl"  # beside the checkpoints' folder
+        events.open_event_log(events_path)
+        try:
             wait_until(
-                lambda: saver.maybe_save(8, 3.0, 2) is None and "Not saving the state of global epoch" in caplog.text,
+                lambda: saver.maybe_save(8, 3.0, 2) is None and events.read_events(events_path, "checkpoint_refused"),
                 timeout=60,
                 what="the monitor to download the liar's state",
                 poll=0.1,
             )
+        finally:
+            events.open_event_log(None)
         assert saver.last_saved_step is None and not list(tmp_path.iterdir())
-        assert f"global epoch {LIAR_STEP}: the swarm is at step 8" in caplog.text
+        refused = events.read_events(events_path, "checkpoint_refused")[0]
+        assert (refused["epoch"], refused["step"]) == (LIAR_STEP, 8)
         serving.local_epoch = 9
         wait_until(lambda: saver.maybe_save(8, 3.0, 2) is not None, 60, "the swarm's state to be saved", poll=0.1)
         assert saver.last_saved_step == 9 and read_manifest(tmp_path / "9").step == 9
