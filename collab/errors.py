@@ -61,3 +61,8 @@ class StoreError(UserError, ValueError):
 
 class InputError(UserError, ValueError):
     """Bad input to a command-line tool (trainer.predict): the message starts with the flag to fix."""
+
+
+class HivemindVersionError(SystemExit):
+    """hivemind is not the version the entry point's patches were written for (collab/hivemind_fixes.py): the
+    message says what to install. A SystemExit: it stops the program before anything else runs."""

@@ -110,6 +110,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from arguments import MetricsArguments
 from collab import events, signals
+from collab.errors import HivemindVersionError
 from collab.matchmaking import EpochMatchmaking, round_gather
 from collab.schema import honest_step
 
@@ -679,10 +680,6 @@ ENTRY_POINT_PATCHES = (
     (StepControl, "cancel", cancel_once),
     (hivemind.compression.quantization.Quantization, "extract", quantization_extract),
 )
-
-
-class HivemindVersionError(SystemExit):
-    """hivemind is not the version the patches were written for: the message says what to install."""
 
 
 def check_hivemind_version(version: str = hivemind.__version__, environ=os.environ) -> None:

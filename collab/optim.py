@@ -297,14 +297,9 @@ def build_optimizer(
     """
     if timeouts is None:
         timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
+    # every field is an option of the tracker (hivemind's ProgressTracker, or SpacedProgressTracker's own period)
     tracker_opts = {
-        "min_refresh_period": tracker_args.min_refresh_period,
-        "max_refresh_period": tracker_args.max_refresh_period,
-        "default_refresh_period": tracker_args.default_refresh_period,
-        "expected_drift_peers": tracker_args.expected_drift_peers,
-        "expected_drift_rate": tracker_args.expected_drift_rate,
-        "metadata_expiration": tracker_args.metadata_expiration,
-        # an option of SpacedProgressTracker
+        **dataclasses.asdict(tracker_args),
         "progress_report_period": progress_report_period(
             tracker_args.progress_report_period, optimizer_args.local_steps, tracker_args.metadata_expiration
         ),

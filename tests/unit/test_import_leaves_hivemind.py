@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from collab.hivemind_fixes import (
-    ENTRY_POINT_PATCHES,
-    HivemindVersionError,
-    check_hivemind_version,
-    entry_point_patches_applied,
-)
+from collab.errors import HivemindVersionError
+from collab.hivemind_fixes import ENTRY_POINT_PATCHES, check_hivemind_version
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("collab", "trainer", "monitor", "web", "data", "bench")
@@ -82,11 +78,31 @@ def test_importing_every_module_of_the_project_changes_nothing_in_hivemind():
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
 
 
-def test_the_entry_point_patches_are_applied_and_undone():
+# In a fresh interpreter (this session's tests run with the patches applied: tests/unit/conftest.py): whether each
+# patched attribute is hivemind's own before, the patch inside the context, and hivemind's own again after.
+APPLY_AND_UNDO = textwrap.dedent(
+    """
+    import json
+    from collab.hivemind_fixes import ENTRY_POINT_PATCHES, entry_point_patches_applied
+
     originals = [owner.__dict__[name] for owner, name, _ in ENTRY_POINT_PATCHES]
+    untouched = all(original is not patch for original, (_, _, patch) in zip(originals, ENTRY_POINT_PATCHES))
     with entry_point_patches_applied():
-        assert all(owner.__dict__[name] is patch for owner, name, patch in ENTRY_POINT_PATCHES)
-    assert [owner.__dict__[name] for owner, name, _ in ENTRY_POINT_PATCHES] == originals
+        applied = all(owner.__dict__[name] is patch for owner, name, patch in ENTRY_POINT_PATCHES)
+    undone = [owner.__dict__[name] for owner, name, _ in ENTRY_POINT_PATCHES] == originals
+    print(json.dumps([len(ENTRY_POINT_PATCHES), untouched, applied, undone]))
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_the_entry_point_patches_are_applied_and_undone():
+    result = subprocess.run(
+        [sys.executable, "-c", APPLY_AND_UNDO], cwd=ROOT, capture_output=True, text=True, timeout=110
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    count, untouched, applied, undone = json.loads(result.stdout.strip().splitlines()[-1])
+    assert count == len(ENTRY_POINT_PATCHES) > 0 and (untouched, applied, undone) == (True, True, True)
 
 
 def test_another_hivemind_version_stops_with_one_line_unless_allowed():
