@@ -168,8 +168,8 @@ MAX_LOCAL_STEPS = 100_000  # DiLoCo's largest tested interval is 500 inner steps
 MAX_NONFINITE_BATCH_LIMIT = 100_000  # mini-batches: a limit past this never stops a diverged peer in a day
 MAX_OUTER_LEARNING_RATE = 10.0  # DiLoCo uses 0.7; far above 1 the outer step overshoots the pseudo-gradient
 MAX_SHUTDOWN_TIMEOUT = 3600.0  # seconds; also caps the derived deadline (collab.timeouts)
-# topk's share of each tensor sent per round: at 1 % the default model's loss lagged the synchronous mode's by 2-4 %
-# (goal 2 %), at 3 % it was within the goal, on 0.005 bits per parameter per inner step with GPT-2 small's payloads
+# topk's share of each tensor sent per round: the smallest whose loss kept within 2 % of the synchronous mode's
+# (docs/benchmarks/2026-11-28-amd-epyc-2core-repairs.md)
 DEFAULT_TOPK_FRACTION = 0.03
 
 
@@ -177,9 +177,8 @@ DEFAULT_TOPK_FRACTION = 0.03
 class OptimizerArguments:
     """The collaboration's global step: when it happens and how gradients and state travel."""
 
-    # 1024: on two CPU peers an epoch of the tiny model then lasts 8 to 10 s, long enough to hide matchmaking and
-    # averaging. Against two plain loops, over five full benchmark runs: 0.39-0.76 at 256 (epochs stretched to
-    # matchmaking_time and beyond), 0.91-0.96 at 1024, 0.96-0.99 at 2048 (docs/BENCHMARKS.md).
+    # 1024: an epoch of the default model on two CPU peers then lasts long enough to hide matchmaking and averaging;
+    # at 256 epochs stretch to matchmaking_time and beyond (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
     target_batch_size: int = field(
         default=1024,
         metadata={
