@@ -14,18 +14,19 @@ read from ``model.safetensors`` only and a folder holding links or odd names is 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from datasets import Dataset
 
-from arguments import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, DatasetArguments
+from arguments import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, DatasetArguments, parse_args
 from collab.checkpoint import MANIFEST, folder_files, is_archive, load_model, opened_checkpoint
-from collab.errors import CheckpointError, InputError
+from collab.errors import CheckpointError, ConfigError, InputError
 from trainer.data import one_pass
 from trainer.qa import predict_answers
 from trainer.tasks import TASKS
@@ -33,31 +34,33 @@ from trainer.tasks import TASKS
 PROG = "python -m trainer.predict"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise InputError(message.removeprefix("argument "))
+@dataclass(frozen=True)
+class PredictArguments:
+    checkpoint: str = field(
+        metadata={
+            "help": "Saved model and tokenizer: a monitor checkpoint or --output_dir folder, or "
+            "checkpoint-<step>.tar.gz"
+        }
+    )
+    task: Literal[SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING] = field(
+        metadata={"help": "What the model was trained for"}
+    )
+    question: str | None = field(
+        default=None, metadata={"help": "qa: the question; seq-cls: the first text of a pair (BoolQ)"}
+    )
+    context: str | None = field(default=None, metadata={"help": "qa: the text that holds the answer"})
+    passage: str | None = field(default=None, metadata={"help": "seq-cls: the second text of a pair (BoolQ)"})
+    text: str | None = field(default=None, metadata={"help": "seq-cls: a single text to classify"})
+    max_seq_length: int = field(default=384, metadata={"help": "Window length (tokens)"})
+    doc_stride: int = field(default=128, metadata={"help": "Window overlap (tokens)"})
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        help="Saved model and tokenizer: a monitor checkpoint or --output_dir folder, or checkpoint-<step>.tar.gz",
-    )
-    parser.add_argument(
-        "--task",
-        required=True,
-        choices=[SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING],
-        help="What the model was trained for",
-    )
-    parser.add_argument("--question", help="qa: the question; seq-cls: the first text of a pair (BoolQ)")
-    parser.add_argument("--context", help="qa: the text that holds the answer")
-    parser.add_argument("--passage", help="seq-cls: the second text of a pair (BoolQ)")
-    parser.add_argument("--text", help="seq-cls: a single text to classify")
-    parser.add_argument("--max_seq_length", type=int, default=384, help="Window length (tokens)")
-    parser.add_argument("--doc_stride", type=int, default=128, help="Window overlap (tokens)")
-    args = parser.parse_args(argv)
+def parse(argv: Sequence[str] | None) -> PredictArguments:
+    """The flags through the programs' shared parser (one line naming the flag), then the checks between them."""
+    try:
+        (args,) = parse_args([PredictArguments], argv, prog=PROG)
+    except ConfigError as e:
+        raise InputError(str(e)) from None
     if not is_archive(args.checkpoint) and not (Path(args.checkpoint) / "config.json").is_file():
         raise InputError(f"--checkpoint: no saved model (config.json) in {args.checkpoint}")
     if args.task == QUESTION_ANSWERING:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from collab.errors import SettingsError, StoreError
+from arguments import parse_args
+from collab.errors import ConfigError, SettingsError, StoreError
 from web.store import check_database
 
 MIN_ADMIN_TOKEN_CHARS = 8
@@ -17,16 +18,33 @@ MAX_KEEP_CHECKPOINTS = 1000
 
 @dataclass(frozen=True)
 class WebSettings:
-    admin_token: str
-    db: Path = Path("experiments.sqlite")
-    data_dir: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    public_url: str | None = None
-    max_upload_mb: int = 4096
-    max_request_kb: int = 1024
-    access_token_lifetime: float = 3600.0
-    keep_checkpoints: int = 5
+    """The app's settings: each field is a flag of run_web.py (``parse_web_args``), its default declared here only."""
+
+    admin_token: str | None = field(
+        default=None, metadata={"help": "Secret that lets a person create and edit experiments ($COLLAB_ADMIN_TOKEN)"}
+    )
+    db: Path = field(default=Path("experiments.sqlite"), metadata={"help": "SQLite file of experiments"})
+    data_dir: Path | None = field(
+        default=None, metadata={"help": "Folder for uploaded checkpoints (default: <db name>_data/)"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 for every interface"})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+    public_url: str | None = field(
+        default=None,
+        metadata={"help": "URL peers use to reach this app, shown in the join commands (default: http://HOST:PORT)"},
+    )
+    max_upload_mb: int = field(default=4096, metadata={"help": "Largest checkpoint upload (MiB)"})
+    max_request_kb: int = field(default=1024, metadata={"help": "Largest request body other than uploads (KiB)"})
+    access_token_lifetime: float = field(
+        default=3600.0,
+        metadata={"help": "Seconds an access token issued by /api/experiments/ID/join stays valid (peers refresh it)"},
+    )
+    keep_checkpoints: int = field(
+        default=5,
+        metadata={
+            "help": f"Uploaded checkpoints kept per experiment (1..{MAX_KEEP_CHECKPOINTS}); older archives are deleted"
+        },
+    )
 
     @property
     def upload_dir(self) -> Path:
@@ -39,49 +57,13 @@ class WebSettings:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="run_web.py", description="Web form and live dashboard for collaborative training experiments."
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on; 0.0.0.0 for every interface")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    parser.add_argument("--db", type=Path, default=Path("experiments.sqlite"), help="SQLite file of experiments")
-    parser.add_argument(
-        "--data_dir", type=Path, default=None, help="Folder for uploaded checkpoints (default: <db name>_data/)"
-    )
-    parser.add_argument(
-        "--admin_token",
-        default=None,
-        help="Secret that lets a person create and edit experiments (default: $COLLAB_ADMIN_TOKEN)",
-    )
-    parser.add_argument("--max_upload_mb", type=int, default=4096, help="Largest checkpoint upload (MiB)")
-    parser.add_argument(
-        "--max_request_kb", type=int, default=1024, help="Largest request body other than uploads (KiB)"
-    )
-    parser.add_argument(
-        "--access_token_lifetime",
-        type=float,
-        default=3600.0,
-        help="Seconds an access token issued by /api/experiments/ID/join stays valid (peers refresh it)",
-    )
-    parser.add_argument(
-        "--keep_checkpoints",
-        type=int,
-        default=5,
-        help=f"Uploaded checkpoints kept per experiment (1..{MAX_KEEP_CHECKPOINTS}); older archives are deleted",
-    )
-    parser.add_argument(
-        "--public_url",
-        default=None,
-        help="URL peers use to reach this app, shown in the join commands (default: http://HOST:PORT)",
-    )
-    return parser
-
-
 def parse_web_args(argv: Sequence[str] | None = None, environ: dict | None = None) -> WebSettings:
     """Settings from flags and COLLAB_ADMIN_TOKEN; raises SettingsError (one line naming the flag)."""
     environ = os.environ if environ is None else environ
-    args = _parser().parse_args(argv)
+    try:
+        (args,) = parse_args([WebSettings], argv, prog="run_web.py")
+    except ConfigError as e:
+        raise SettingsError(str(e)) from None
     token = args.admin_token or environ.get("COLLAB_ADMIN_TOKEN", "")
     if not token:
         raise SettingsError(
@@ -102,4 +84,4 @@ def parse_web_args(argv: Sequence[str] | None = None, environ: dict | None = Non
         raise SettingsError(f"--db: {e}") from None
     if args.public_url and not args.public_url.startswith(("http://", "https://")):
         raise SettingsError(f"--public_url: must be an http(s):// URL (got {args.public_url!r})")
-    return WebSettings(**{**vars(args), "admin_token": token})
+    return dataclasses.replace(args, admin_token=token)

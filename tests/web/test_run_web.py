@@ -33,6 +33,8 @@ def test_settings_defaults_and_environment():
     "argv, message",
     [
         (["--admin_token", "short"], "--admin_token: use at least 8 characters"),
+        (["--admin_token", "long-enough", "--port", "abc"], "--port: invalid int value: 'abc'"),
+        (["--admin_token", "long-enough", "--prot", "9000"], "--prot: unknown flag"),
         (
             ["--admin_token", "long-enough", "--max_upload_mb", "0"],
             "--max_upload_mb: must be a positive number (got 0)",
