@@ -47,23 +47,22 @@ class GpuMode:
     min_window_s: float = 0.0
 
 
+def base_lowcomm_mode(compression: str) -> GpuMode:
+    """The BERT-base row of the low-communication mode with ``compression``'s pseudo-gradients."""
+    return GpuMode(
+        f"base bf16 lowcomm H={MODES_LOCAL_STEPS} {compression}",
+        "base",
+        ("--bf16", *lowcomm_flags(MODES_LOCAL_STEPS, compression)),
+        rounds="outer_rounds",
+        min_window_s=LOWCOMM_WINDOW_S,
+    )
+
+
 GPU_MODES = [
     GpuMode("tiny bf16 sync", "tiny", ("--bf16",)),
     GpuMode("base bf16 sync", "base", ("--bf16",)),
-    GpuMode(
-        "base bf16 lowcomm H=4 8bit",
-        "base",
-        ("--bf16", *lowcomm_flags(MODES_LOCAL_STEPS, "8bit")),
-        rounds="outer_rounds",
-        min_window_s=LOWCOMM_WINDOW_S,
-    ),
-    GpuMode(
-        "base bf16 lowcomm H=4 topk",
-        "base",
-        ("--bf16", *lowcomm_flags(MODES_LOCAL_STEPS, "topk")),
-        rounds="outer_rounds",
-        min_window_s=LOWCOMM_WINDOW_S,
-    ),
+    base_lowcomm_mode("8bit"),
+    base_lowcomm_mode("topk"),
 ]
 
 
