@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from arguments import PeerArguments, argument_groups, parse_args_or_exit, split_config_flags
@@ -66,6 +67,26 @@ def configure_logging() -> None:
     escape_log_messages()
 
 
+# seconds a finished program's interpreter gets to exit before it is ended: a background round it left behind
+# (``collab.optim.finish_delayed_updates``) would hold the exit for up to averaging_timeout, then abort the process
+LEAVE_GRACE_S = 15.0
+
+
+def exit_by_then(code: int, grace: float) -> None:
+    """End the process with ``code`` after ``grace`` seconds unless it has exited by then (a daemon thread): Python
+    joins every non-daemon thread at exit, those of hivemind's executors too."""
+
+    def exit_now() -> None:
+        time.sleep(grace)
+        logging.getLogger(__name__).info("Exiting without waiting longer for background threads (%.0f s)", grace)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+
+    threading.Thread(target=exit_now, name="exit-by-then", daemon=True).start()
+
+
 def run_program(prog: str, config_type: type, run: Callable[..., object], argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` into the root config ``config_type`` (a dataclass of argument groups: ``PeerConfig``), call
     ``run(config, stop=event)``; 0 on success, 2 on bad input."""
@@ -83,9 +104,13 @@ def run_program(prog: str, config_type: type, run: Callable[..., object], argv: 
             args.web_token = config_token  # one credential for the config, the join endpoint and the reports
     stop = threading.Event()
     install_stop_handlers(stop)
+    before = set(threading.enumerate())
+    code = 0
     try:
         run(config, stop=stop)
     except UserError as e:
         print(f"{prog}: error: {escape_control_characters(str(e))}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    if any(not thread.daemon for thread in set(threading.enumerate()) - before):
+        exit_by_then(code, LEAVE_GRACE_S)
+    return code

@@ -53,28 +53,45 @@ def rewrite_manifest(folder: Path, files: dict[str, str]) -> None:
     (folder / MANIFEST).write_text(json.dumps({**manifest, "files": files}))
 
 
-def test_a_pickle_payload_in_optimizer_state_is_refused_by_the_trainer_cli(tmp_path, model):
-    marker = tmp_path / "payload-ran"
-    folder = write_checkpoint(tmp_path / "repo", 5, model, None, {"optimizer": ShellPayload(marker)})
-    read_manifest(folder)  # the manifest is right: only the loader stands between the payload and a shell
+def resume_through_the_cli(folder: Path, output_dir: Path) -> list[str]:
+    """``run_trainer.py --resume_from folder`` in a real process, which must exit 2 having written nothing to
+    ``output_dir``; its one-line errors."""
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "run_trainer.py", "--experiment_prefix", "safety", "--resume_from", str(folder)]
-        + ["--output_dir", str(tmp_path / "out"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+        + ["--output_dir", str(output_dir), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=180,
     )
-    errors = [line for line in result.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
     assert result.returncode == 2, result.stderr[-2000:]
-    assert errors == [
+    assert not output_dir.exists()
+    print(f"CLI refusal took {time.monotonic() - started:.1f} s")
+    return [line for line in result.stderr.splitlines() if line.startswith("run_trainer.py: error:")]
+
+
+def test_a_pickle_payload_in_optimizer_state_is_refused_by_the_trainer_cli(tmp_path, model):
+    marker = tmp_path / "payload-ran"
+    folder = write_checkpoint(tmp_path / "repo", 5, model, None, {"optimizer": ShellPayload(marker)})
+    read_manifest(folder)  # the manifest is right: only the loader stands between the payload and a shell
+    assert resume_through_the_cli(folder, tmp_path / "out") == [
         f"run_trainer.py: error: --resume_from: {folder}: optimizer.pt is not tensors and plain data "
         "(refused unread: UnpicklingError)"
     ]
     assert not marker.exists(), "the payload ran"
-    assert not (tmp_path / "out").exists()
-    print(f"CLI refusal took {time.monotonic() - started:.1f} s")
+
+
+def test_a_manifest_listing_a_file_outside_its_folder_is_refused_by_the_trainer_cli(tmp_path, model):
+    folder = write_checkpoint(tmp_path / "repo", 5, model, None, optimizer_state(5))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    files = json.loads((folder / MANIFEST).read_text())["files"]
+    rewrite_manifest(folder, {**files, "../outside.txt": sha256_file(outside)})
+    assert resume_through_the_cli(folder, tmp_path / "out") == [
+        f"run_trainer.py: error: --resume_from: {folder}: manifest.json lists '../outside.txt', not a plain file name "
+        "in the folder"
+    ]
 
 
 def test_pickled_model_weights_are_refused_by_predict(tmp_path, model, capsys):

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -81,28 +80,30 @@ def test_patched_loop_keeps_the_task_until_it_is_answered():
 
 def tasks_destroyed_pending(run) -> list[str]:
     """What asyncio logs when ``run(loop, main)`` returns and the loop is dropped, where ``main`` ends as hivemind's
-    progress fetcher can: its shutdown checker's thread has returned, the result has not reached the loop yet."""
+    progress fetcher can: with a task it started still pending (its shutdown checker, whose result has not reached
+    the loop; here a future that never completes, so that no thread's timing decides)."""
     logged: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("asyncio").addHandler(handler)
+    asyncio_logger = logging.getLogger("asyncio")
+    # earlier tests may have configured logging (a dictConfig disables the loggers it does not name)
+    disabled, level = asyncio_logger.disabled, asyncio_logger.level
+    asyncio_logger.disabled, asyncio_logger.level = False, logging.ERROR
+    asyncio_logger.addHandler(handler)
     try:
         loop = asyncio.new_event_loop()
-        shutdown = threading.Event()
 
         async def fetcher():
-            executor_wait = asyncio.get_running_loop().run_in_executor(None, shutdown.wait)
-            asyncio.create_task(asyncio.wait_for(executor_wait, None))
-            await asyncio.sleep(0.01)
-            shutdown.set()
+            never = asyncio.get_running_loop().create_future()
+            asyncio.create_task(asyncio.wait_for(never, None))
             await asyncio.sleep(0)
 
         run(loop, fetcher())
-        time.sleep(0.1)  # the executor's thread returns meanwhile
         del loop
         gc.collect()
     finally:
-        logging.getLogger("asyncio").removeHandler(handler)
+        asyncio_logger.removeHandler(handler)
+        asyncio_logger.disabled, asyncio_logger.level = disabled, level
     return [message for message in logged if "Task was destroyed but it is pending" in message]
 
 
