@@ -6,76 +6,21 @@ Importing this module changes nothing in hivemind. The fixes live in subclasses 
 no hook reaches is ``ENTRY_POINT_PATCHES``, applied by a program's entry point (``apply_entry_point_patches``) after
 checking hivemind's version.
 
-Pending asyncio tasks collected by the garbage collector. hivemind's averager and DHT processes start each
-command with ``task = asyncio.create_task(...)`` and drop the reference at the next command. asyncio keeps
-only weak references to tasks, and hivemind's ``MPFuture`` registry is weak too, so a task that waits for an
-answer from another process can form an unreachable cycle; the garbage collector then destroys it
-("Task was destroyed but it is pending!" in the log) and the averaging round it belonged to hangs until
-``averaging_timeout``, after which the peer falls out of sync. We give the event loops of hivemind's processes
-a task factory that holds every task until it is done, set inside the child processes our subclasses start.
+Each fix, the rule it keeps (what hivemind does instead, what that cost, and the test that shows it: the section
+"hivemind bugs we fixed" of docs/RELIABILITY.md):
 
-Averaging parts refused while a groupmate waits for its trigger. Optimizer rounds are matched in advance and each
-peer starts its all-reduce when its own step triggers it, so one peer may send its parts a moment before another
-has registered the group. The receiver is meant to wait for that registration, but it waits on one event shared by
-all of an averager's rounds, and with delayed averaging a pre-scheduled round overlaps the previous one, whose end
-sets that event: the receiver answers BAD_GROUP_ID at once, the sender keeps its own values for that part and the
-receiver, having no input from the sender, drops it too. The round "succeeds" with half the tensors unaveraged on
-each side, the peers drift apart, and the timeouts that follow make the next round start apart again. We make the
-receiver wait (up to the sender timeout) until that very group is registered.
-
-Matchmaking that queries the DHT back to back. While an averager looks for a group,
-``PotentialLeaders.pop_next_leader`` asks for a fresh list of potential leaders whenever its queue holds none better
-than itself, and ``_update_queue_periodically`` answers at once with another DHT lookup, so the peer that will lead
-queries the DHT as fast as the round trips allow for the whole ``matchmaking_time``, twice per global epoch (gradients,
-then parameters): about 110 lookups per round between two CPU peers, each one crossing both peers' DHT processes and
-p2pd, which took a fifth of a 2-core machine from the training loops. We space the lookups by a tenth of
-``matchmaking_time``: at most about ten per round, and a new peer is still seen within a tenth of the window.
-
-Progress published to the DHT after every step. ``ProgressTracker.report_local_progress`` wakes the tracker's
-reporter on every ``hivemind.Optimizer.step`` and the reporter stores a signed record each time: three or more DHT
-stores a second per CPU peer (ten or more for a fast GPU), each one signed, sent through p2pd and validated by every
-DHT node that keeps it. Other peers read progress every ``min_refresh_period`` or more and extrapolate each record
-with its samples/s, so most of those stores are never read. We publish at most once per ``progress_report_period``
-(2 s) within a global epoch, and a new epoch at once. Two CPU peers' DHT processes and p2pd went from 0.18-0.21 to
-0.12-0.16 of the 2 cores (docs/BENCHMARKS.md).
-
-The same state-download declaration stored again after every averaged part. Each averager declares in the DHT
-that newcomers may download its state, with its epoch as priority, and re-declares whenever ``_state_updated`` is
-set; the averager sets it after every part of every all-reduce, so each averaging round made dozens of identical
-DHT stores: 300 or more per averager in the first two minutes of two CPU peers, more than every other DHT call
-of the peer together. We store only when the declaration changes (a new epoch, sharing switched) or expires.
-
-Orphans left by a killed peer. hivemind runs the DHT (with its p2pd) and each averager in child processes that
-stop only when told to over a pipe. When the trainer is SIGKILLed (``kill -9``, the OOM killer) nobody tells them,
-and each child holds pipe ends inherited from the others, so none sees its parent's pipe close: the DHT, its p2pd and
-the averagers live on, still answering in the swarm. Each child now checks every second that the process that
-started it is alive, and otherwise ends itself (the DHT's p2pd first).
-
-Helpers killed by the signal meant for their peer. hivemind starts the DHT (and its p2pd) and the averagers in the
-peer's process group, so Ctrl-C in a terminal, or SIGTERM to the group, reaches them as it reaches the peer: p2pd and
-the averagers died at once while the peer was still finishing its step, its last round hung until the shutdown
-deadline (exit 3, model not saved), its goodbye was never sent and its log filled with tracebacks. They now run in a
-process group of their own, and the peer stops them itself.
-
-8-bit gradients that cannot be read. ``Quantization.extract`` reads the codebook size with ``int()`` on a
-one-element array, which numpy 2 refuses (TypeError), so every 8-bit part a peer received broke its round. We read
-that one value by index.
-
-Averaging rounds that miss their epoch's group and wait for a later epoch's. hivemind gives a round
-``averaging_timeout`` (60 s by default) to find a group and retries matchmaking until then, so a round that missed its
-epoch's group keeps looking until another epoch's round comes along, and its peer's next step waits for it. A newcomer
-whose first step catches up with the swarm joins the others' round for the next epoch; its next round queues behind
-that one and pairs with the epoch after, and so on, one epoch out of step (docs/RELIABILITY.md). Gradient rounds now
-meet only rounds of their own epoch (``collab.matchmaking``), and a round this peer has triggered that still looks for
-a group is given up once the swarm's epoch shows that its group formed without it (``is_stale_round``): the epoch
-goes on with this peer's own values, as after any failed round, and its next round is free to meet the others' round
-of the same epoch. A fixed time (``STALE_ROUND_FACTOR`` x ``matchmaking_time``, kept for rounds of no known epoch) gave
-up rounds that 16 peers on busy machines had not yet assembled.
-
-Ctrl-C ignored by the trainer. ``DecentralizedAverager.run_in_background`` sets SIGINT to "ignore" in the
-process that calls it, meaning the averager child it is about to fork, so after the optimizer is built the
-trainer itself no longer stops on Ctrl-C. We let the child start with SIGINT ignored and give the caller its
-handler back.
+- tasks are held until done: a task whose only owners are weak references was garbage-collected mid-round;
+- a sender waits for its group's registration (up to the sender timeout) instead of being answered BAD_GROUP_ID,
+  which left half of a round's tensors unaveraged;
+- leader lookups are spaced by a tenth of ``matchmaking_time``, not back to back;
+- progress is published once per ``progress_report_period`` within an epoch, a new epoch at once, not every step;
+  a progress record far ahead of the honest majority is ignored;
+- the state-download declaration is stored when it changes or expires, not after every averaged part;
+- helpers (the DHT with its p2pd, the averagers) end with their peer, run in a process group of their own, and leave
+  the caller's Ctrl-C handler in place;
+- 8-bit parts are read with numpy 2;
+- rounds meet only rounds of their own epoch, and a round whose group formed without this peer is given up;
+- the tracker's thread ends with no task pending.
 """
 
 from __future__ import annotations
