@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,27 +9,19 @@ from pathlib import Path
 
 import requests
 
-from trainer.local import free_port, wait_until  # noqa: F401  (wait_until is re-exported for the web tests)
-
-ROOT = Path(__file__).resolve().parents[2]
+from trainer.local import LocalProcess, free_port, wait_until  # noqa: F401  (wait_until: re-exported)
 
 
 class WebServer:
-    """``python run_web.py`` with its own database; ``url`` once it answers."""
+    """``python run_web.py`` with its own database, started by the project's one launcher; ``url`` once it answers."""
 
     def __init__(self, folder: Path, admin_token: str, *extra: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = folder / "run_web.log"
-        self._log = open(self.log_path, "wb")
         argv = ["--port", str(self.port), "--db", str(folder / "experiments.sqlite"), "--admin_token", admin_token]
-        self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "run_web.py"), *argv, *extra],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        self.launched = LocalProcess([*argv, *extra], self.log_path, {"PYTHONUNBUFFERED": "1"}, script="run_web.py")
+        self.process = self.launched.process
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -48,14 +37,7 @@ class WebServer:
         raise TimeoutError(f"run_web.py did not answer within {timeout:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self._log.close()
+        self.launched.stop(timeout=15)
 
 
 @contextmanager
