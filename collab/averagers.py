@@ -68,7 +68,7 @@ from collab.hivemind_fixes import (
     SpacedProgressTracker,
     hivemind_class,
     honest_progress_epoch,
-    progress_key,
+    read_progress_records,
 )
 from collab.matchmaking import WINDOW_LOG_STEP, gathered_part_timeout
 from collab.timeouts import (
@@ -444,10 +444,10 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         """The swarm's honest global epoch from the peers' progress records, or None if unknown."""
         if self.run_id is None:
             return None
-        found = self.dht.get(progress_key(self.run_id), latest=True)
-        if found is None or not isinstance(found.value, dict):
+        records = read_progress_records(self.dht, self.run_id)
+        if not records:
             return None
-        return honest_progress_epoch(found.value, get_dht_time(), exclude_peer=self.peer_id.to_bytes())
+        return honest_progress_epoch(records, get_dht_time(), exclude_peer=self.peer_id.to_bytes())
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> bool:
         """hivemind's ``TrainingStateAverager.load_state_from_peers``, refusing a lying donor (see the class);

@@ -547,6 +547,12 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
+def read_progress_records(dht, run_id: str) -> dict:
+    """The progress records under ``run_id`` as the DHT holds them ({subkey: ``ValueWithExpiration``}), {} if none."""
+    found = dht.get(progress_key(run_id), latest=True)
+    return found.value if found is not None and isinstance(found.value, dict) else {}
+
+
 def record_epoch(entry: Any) -> int | None:
     """The epoch of one progress record (``ValueWithExpiration`` of a ``LocalTrainingProgress`` dict), None if
     malformed."""

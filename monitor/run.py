@@ -17,7 +17,7 @@ from arguments import SECRET_SETTINGS, MetricsArguments, MonitorConfig, to_confi
 from collab import events
 from collab.dht import joined_fields, start_dht
 from collab.extras import require_extra
-from collab.hivemind_fixes import progress_key
+from collab.hivemind_fixes import read_progress_records
 from collab.optim import build_state_averager, collaboration_timeouts
 from collab.schema import make_validators, peer_fingerprint, read_metrics
 from collab.timeouts import LOAD_STATE_TIMEOUT_FLOOR
@@ -88,10 +88,8 @@ def log_far_ahead(alive: dict, step: int, logged: set) -> None:
 
 def progressing_peers(dht, prefix: str, now: float) -> set:
     """The peers (signing keys, as their metrics records' subkeys) whose training-progress record has not expired."""
-    found = dht.get(progress_key(prefix), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return set()
-    return {subkey for subkey, entry in found.value.items() if getattr(entry, "expiration_time", 0) > now}
+    records = read_progress_records(dht, prefix)
+    return {subkey for subkey, entry in records.items() if getattr(entry, "expiration_time", 0) > now}
 
 
 def refresh(

@@ -21,10 +21,9 @@ from collab.averagers import (
     bring_scheduler_to_epoch,
     choose_donor,
     honest_progress_epoch,
-    progress_key,
     state_refusal,
 )
-from collab.hivemind_fixes import SpacedProgressTracker, records_within_reach
+from collab.hivemind_fixes import SpacedProgressTracker, progress_key, records_within_reach
 from tests.local_dht import two_dhts
 from trainer.local import wait_until
 
