@@ -649,15 +649,3 @@ def apply_entry_point_patches() -> None:
     check_hivemind_version()
     for owner, name, replacement in ENTRY_POINT_PATCHES:
         setattr(owner, name, replacement)
-
-
-@contextlib.contextmanager
-def entry_point_patches_applied():
-    """``ENTRY_POINT_PATCHES`` applied inside the block, hivemind's own methods restored after it (tests)."""
-    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in ENTRY_POINT_PATCHES]
-    apply_entry_point_patches()
-    try:
-        yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)

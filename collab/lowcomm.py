@@ -52,14 +52,10 @@ def round_target_samples(local_steps: int, target_batch_size: int) -> int:
 # gradient round; a parameter round every second epoch brings it back within two (tests/integration/
 # test_parameter_rounds.py) at a quarter less traffic than every epoch (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
 SYNC_PARAMETER_ROUND_EVERY = 2
-# Low-communication mode: a parameter round carries the anchor in fp16, 2 bytes a value, while a pseudo-gradient
-# round carries 2 (fp16), 1 (8bit) or about 3 % of fp16 (topk at its default 3 %, ``python -m bench.compression``).
-# Every second round, parameter rounds were the link's largest load
-# (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md); they only repair a peer that missed a round, so they come
-# as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes, or every
-# MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays unrepaired (topk reaches it: its parameter
-# rounds then come to about four fifths of its pseudo-gradients' bytes). A newcomer does not wait for them: it asks
-# for one (collab/repairs.py).
+# Low-communication mode: parameter rounds (the anchor in fp16) only repair a peer that missed a round, so they come
+# as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes (each compression's bytes a value:
+# ``python -m bench.compression``), or every MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays
+# unrepaired (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md). A newcomer asks for one (collab/repairs.py).
 PARAMETER_ROUND_BYTES_PER_VALUE = 2.0
 PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.079}
 PARAMETER_TRAFFIC_SHARE = 0.25
@@ -83,8 +79,8 @@ def progress_report_period(explicit: float | None, local_steps: int, metadata_ex
     """Seconds between two publications of a peer's progress within a global epoch: ``explicit`` where given, else
     PROGRESS_REPORT_PERIOD in the synchronous mode, else ``local_steps`` times it (an outer round is that many
     synchronous epochs, so records stay as many to a round), at most half of ``metadata_expiration`` (the reporter
-    stores that often anyway). Each publication is a signed DHT store: every 2 s they were most of a 3-peer swarm's
-    traffic between rounds (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md)."""
+    stores that often anyway). Each publication is a signed DHT store, the largest traffic between rounds
+    (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md)."""
     if explicit is not None:
         return explicit
     if local_steps == 0:

@@ -199,9 +199,9 @@ def create_lamb_state(lamb: Lamb) -> None:
 
     hivemind's TrainingStateAverager needs optimizer state tensors from the start. Finding none, it creates them with
     one optimizer step on zero gradients, which for Lamb is not a no-op: the weight-decay term alone is scaled by the
-    trust ratio to the weights' norm, so every decayed weight shrinks by the step size (6.3 % at the default learning
-    rate), and the step is counted, shifting the bias correction of every later step. That cost 1.8 % of held-out
-    loss after 8 global steps (docs/BENCHMARKS.md, parity). With the state made here hivemind skips that step.
+    trust ratio to the weights' norm, so every decayed weight shrinks by the step size, and the step is counted,
+    shifting the bias correction of every later step (held-out loss: docs/BENCHMARKS.md, parity). With the state made
+    here hivemind skips that step.
 
     The state holds every key a step leaves (the last three are outputs Lamb never reads): hivemind packs the state a
     newcomer downloads into the newcomer's own state's structure, so both must have the same keys.
@@ -292,8 +292,9 @@ def build_optimizer(
 
     Its gradient and parameter rounds refuse a groupmate's non-finite values (``collab.averagers``).
 
-    ``tracker_private_key`` gives the progress tracker its own RSA key, only needed when several peers share one
-    process (tests); a real peer has one key per process. ``timeouts``: ``collaboration_timeouts``' when not given.
+    ``tracker_private_key``: the RSA key that signs this optimizer's progress records and repair requests, as
+    hivemind's ProgressTracker takes it; the process's own key unless given, so two optimizers in one process need
+    one each. ``timeouts``: ``collaboration_timeouts``' when not given.
     """
     if timeouts is None:
         timeouts = collaboration_timeouts(model, optimizer_args, averager_args)

@@ -22,7 +22,7 @@ from collab.averagers import (
     is_acceptable_contribution,
     keep_local_where_non_finite,
 )
-from collab.hivemind_fixes import entry_point_patches_applied
+from tests.hivemind_patches import entry_point_patches_applied
 from tests.local_dht import two_dhts
 from trainer.local import wait_until
 

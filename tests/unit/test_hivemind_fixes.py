@@ -31,10 +31,10 @@ from collab.hivemind_fixes import (
     FixedDecentralizedAverager,
     SpacedProgressTracker,
     _original_switch_to_uvloop,
-    entry_point_patches_applied,
     run_leaving_no_task_pending,
     switch_to_uvloop_keeping_tasks,
 )
+from tests.hivemind_patches import entry_point_patches_applied
 from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
 from trainer.local import process_tree, stat_fields, wait_until
 

@@ -83,7 +83,8 @@ def test_importing_every_module_of_the_project_changes_nothing_in_hivemind():
 APPLY_AND_UNDO = textwrap.dedent(
     """
     import json
-    from collab.hivemind_fixes import ENTRY_POINT_PATCHES, entry_point_patches_applied
+    from collab.hivemind_fixes import ENTRY_POINT_PATCHES
+    from tests.hivemind_patches import entry_point_patches_applied
 
     originals = [owner.__dict__[name] for owner, name, _ in ENTRY_POINT_PATCHES]
     untouched = all(original is not patch for original, (_, _, patch) in zip(originals, ENTRY_POINT_PATCHES))

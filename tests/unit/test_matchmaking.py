@@ -19,7 +19,7 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager, entry_point_patches_applied
+from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager
 from collab.matchmaking import (
     MatchmakingWindow,
     TimedGroupKeyManager,
@@ -31,6 +31,7 @@ from collab.matchmaking import (
     steps_aside,
 )
 from collab.schema import MAX_STEP
+from tests.hivemind_patches import entry_point_patches_applied
 from tests.local_dht import STALE_TEST_MATCHMAKING, SlowRecords, SlowWithdrawals, matched_averager, two_dhts
 from trainer.local import wait_until
 
