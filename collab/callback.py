@@ -34,14 +34,23 @@ class EpochReport:
 
 
 @torch.no_grad()
-def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every value of every tensor is finite, with one reduction per tensor and a single device sync.
+def all_finite(tensors: Iterable[torch.Tensor], fused: bool | None = None) -> bool:
+    """Whether every value of every tensor is finite, with a single device sync.
 
-    A float32 sum is NaN or infinite whenever one of its values is; finite values can only make it overflow beyond
-    about 1e32 per value, which we count as diverged too. Ten times faster than ``isfinite(p).all()`` per tensor on
-    CPU (0.24 against 2.4 ms for the default model), and one GPU sync instead of one per tensor."""
-    sums = [tensor.sum(dtype=torch.float32) for tensor in tensors]
-    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+    A float32 sum of absolute values is NaN or infinite whenever one of its values is; finite values can only make it
+    overflow beyond about 1e32 per value, which we count as diverged too. ``fused`` (the default off the CPU, where a
+    step is bound by kernel launches): torch's multi-tensor norm, a few kernels for the whole model; else one
+    reduction per tensor, ten times faster than ``isfinite(p).all()`` per tensor on the CPU."""
+    tensors = list(tensors)
+    if not tensors:
+        return True
+    if fused is None:
+        fused = tensors[0].device.type != "cpu"
+    if fused:
+        sums = torch._foreach_norm(tensors, 1, dtype=torch.float32)
+    else:
+        sums = [tensor.sum(dtype=torch.float32) for tensor in tensors]
+    return bool(torch.isfinite(torch.stack(sums)).all())
 
 
 @dataclass(frozen=True)
