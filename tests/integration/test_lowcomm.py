@@ -41,6 +41,9 @@ LOWCOMM = [
     *("--local_steps", "2", "--target_batch_size", "128", "--matchmaking_time", "1.5"),
     *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS)),
     *("--average_state_every", "2"),  # the agreement checked below comes from parameter rounds
+    # the rate the low-communication loss runs train at (bench.wan): at the default 0.2 the outer step's momentum
+    # overshot, and the swarm's loss rose again from the fifth epoch, past its start after a kill's partial rounds
+    *("--learning_rate", "0.05"),
 ]
 D_BATCH = 8  # D's samples per mini-step on each of its two ranks
 D_FLAGS = ["--shard_model", "--per_device_train_batch_size", str(D_BATCH)]
