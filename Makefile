@@ -10,10 +10,13 @@ setup: $(STAMP) $(SAMPLE)
 
 # torch==2.13.0 first: on CPU-only machines pip takes the CPU wheel already on disk; the project's own
 # requirement is a range, so GPU users keep their CUDA build.
+# pip compiles the bytecode on one core; compileall does it on every core. Its exit status is not ours to keep: a few
+# packages ship files for newer Pythons, which pip skips the same way.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,web,wandb,hub]'
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,web,wandb,hub]'
+	$(PY) -m compileall -qq -j0 $(VENV)/lib || true
 	touch $@
 
 # Quick when the sample data is already built (data.prepare checks its own fingerprint).
