@@ -54,9 +54,9 @@ test-unit: setup
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
-# Figures, after the scenarios (about 8 minutes): about 22 minutes on 2 cores plus well over an hour for the
-# emulated WAN, whose alone runs per variant are long at H 50 (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md;
-# python -m bench --quick: a short smoke run; python -m bench --only PART: one part). Needs root for the network
+# Figures, after the scenarios: every part but the settings tried (python -m bench --only training variants), under
+# an hour on 2 cores (python -m bench --quick: a short smoke run; python -m bench --only PART: one part; python -m
+# bench.wan --lowcomm_variants ...: more rate-scaled rows than the 8-bit one). Needs root for the network
 # namespaces of the shaped-link and wan parts; without them those parts are reported as skipped. The swarm
 # scenarios run on their own: python -m bench.swarm (16 peers with churn, about 30 minutes) and python -m bench.join
 # (a 124M-parameter state over 40 Mbit/s, about 10 minutes).

@@ -41,7 +41,9 @@ QUICK = {
     "peer_counts": [2, 4],
 }
 BANDWIDTH_MBIT = 100.0
-PARTS = ["training", "link", "records", "scaling", "gpu", "wan"]
+PARTS = ["training", "variants", "link", "records", "scaling", "gpu", "wan"]
+# Not in make bench (under an hour on two cores): variants, settings tried against the defaults, each beside the
+# training part's runs (--only training variants); gpu where no CUDA device is seen.
 
 
 def parse(argv) -> argparse.Namespace:
@@ -59,7 +61,8 @@ def parse(argv) -> argparse.Namespace:
         nargs="*",
         default=None,
         choices=PARTS,
-        help="measure only these parts (the others are reported as not measured); gpu runs by default on CUDA",
+        help="measure only these parts (the others are reported as not measured); gpu runs by default on CUDA; "
+        "variants adds the settings tried to the training part",
     )
     return parser.parse_args(argv)
 
@@ -82,20 +85,22 @@ def main(argv=None) -> int:
     figures: dict = {}
     wan_plan = wan.QUICK if args.quick else wan.FULL
     ticks = {
-        "training": 3 + len(plan["targets"]) + len(VARIANTS),
+        "training": 3 + len(plan["targets"]),
+        "variants": len(VARIANTS),
         "link": 2,
         "records": 2,
         "scaling": 1,
         "gpu": 3 + len(GPU_MODES) + 2,  # the loss comparison: one step per mode
     }
     ticks["wan"] = wan.progress_ticks(wan_plan)
-    with tqdm(total=sum(ticks[p] for p in parts), desc="bench", unit="part") as bar:
+    training_ticks = ticks["training"] if "variants" in parts and "training" not in parts else 0
+    with tqdm(total=sum(ticks[p] for p in parts) + training_ticks, desc="bench", unit="part") as bar:
 
         def progress(what: str) -> None:
             bar.set_postfix_str(what)
             bar.update()
 
-        if "training" in parts:
+        if "training" in parts or "variants" in parts:
             from arguments import OptimizerArguments
             from bench.training import efficiency_and_parity
 
@@ -106,6 +111,7 @@ def main(argv=None) -> int:
                 plan["parity_steps"],
                 log_dir,
                 progress,
+                VARIANTS if "variants" in parts else {},
             )
         if "link" in parts:
             from bench.network import link_goodput_mbit, shaped_link_bench
@@ -183,10 +189,10 @@ def summarize(figures: dict) -> str:
 
 
 def default_parts() -> list[str]:
-    """Every part; item 7 (gpu) only where PyTorch sees a CUDA device."""
+    """Every part but the settings tried (variants); item 7 (gpu) only where PyTorch sees a CUDA device."""
     from bench.gpu import cuda_device_name
 
-    return [part for part in PARTS if part != "gpu" or cuda_device_name() is not None]
+    return [part for part in PARTS if part != "variants" and (part != "gpu" or cuda_device_name() is not None)]
 
 
 def run_header(wall_s: float, args) -> dict:

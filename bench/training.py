@@ -189,16 +189,19 @@ def held_out_loss(folder: Path, device: str = "cpu") -> float:
     return language_model_loss(model, validation, load_tokenizer(dataset_args), MASKED_LM)
 
 
-def reference_loss(steps: int, target_batch_size: int, log_dir: Path) -> float:
-    """Held-out loss of one process after ``steps`` steps of ``target_batch_size`` samples (two threads)."""
+def reference_loss(
+    steps: int, target_batch_size: int, log_dir: Path, flags: Sequence[str] = (), timeout: float = 900
+) -> float:
+    """Held-out loss of one process after ``steps`` steps of ``target_batch_size`` samples (two threads); ``flags``:
+    ``bench.plain``'s training flags (``--learning_rate``)."""
     out = log_dir / "reference.json"
     with children() as started:
         started.append(
             Child(
                 "bench.plain",
-                ["reference", out, "--steps", steps, "--target_batch_size", target_batch_size],
+                ["reference", out, "--steps", steps, "--target_batch_size", target_batch_size, *flags],
                 log_dir / "reference.log",
-                900,
+                timeout,
                 env={"OMP_NUM_THREADS": "2"},
             )
         )
@@ -208,9 +211,16 @@ def reference_loss(steps: int, target_batch_size: int, log_dir: Path) -> float:
 
 
 def efficiency_and_parity(
-    targets: list[int], default_target: int, seconds: float, parity_steps: int, log_dir: Path, progress
+    targets: list[int],
+    default_target: int,
+    seconds: float,
+    parity_steps: int,
+    log_dir: Path,
+    progress,
+    variants: dict[str, list[str]] = VARIANTS,
 ) -> dict:
-    """The efficiency sweep over target_batch_size, the seed's anchor at the default, and the loss parity.
+    """The efficiency sweep over target_batch_size, the seed's anchor at the default, ``variants`` (settings tried
+    against the defaults, by name) and the loss parity.
 
     A pair of plain loops runs before the first collaborative run and after each one; every collaborative run is
     divided by the mean of the two plain pairs around it, so a machine that slows down or speeds up during the
@@ -233,7 +243,7 @@ def efficiency_and_parity(
     progress(f"collaboration at target_batch_size {default_target}")
     collab_then_plain("anchor", "anchor", [default_target, *SEED_FLAGS], seconds=seconds)
     progress("seed anchor")
-    for index, (name, flags) in enumerate(VARIANTS.items()):
+    for index, (name, flags) in enumerate(variants.items()):
         collab_then_plain("variant", f"variant{index}", [default_target, *flags], seconds=seconds)["setting"] = name
         progress(name)
     for target in targets:
