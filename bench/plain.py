@@ -9,6 +9,7 @@ accumulated, each clipped as the trainer does), then the held-out loss.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -22,10 +23,13 @@ from trainer.loop import amp_context, flush_denormals
 from trainer.model import build_model, load_tokenizer
 
 
-def setup(seed: int, device: str = "cpu"):
-    """The default model on ``device``, Lamb over it (its state made where the parameters are) and the batches."""
+def setup(seed: int, device: str = "cpu", learning_rate: float | None = None):
+    """The default model on ``device``, Lamb over it (its state made where the parameters are) and the batches;
+    ``learning_rate`` where not the trainer's default."""
     flush_denormals()  # as the trainer does: both sides compute alike
     dataset_args, training_args = DatasetArguments(), TrainingArguments()
+    if learning_rate is not None:
+        training_args = dataclasses.replace(training_args, learning_rate=learning_rate)
     tokenizer = load_tokenizer(dataset_args)
     model, task = build_model(dataset_args, tokenizer, training_args.seed)
     model.to(device)
@@ -89,9 +93,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def reference(steps: int, target_batch_size: int, seed: int) -> dict:
+def reference(steps: int, target_batch_size: int, seed: int, learning_rate: float | None = None) -> dict:
     """One process, the collaboration's effective batch: accumulate clipped micro-batch gradients, then step."""
-    model, task, tokenizer, optimizer, batches, args = setup(seed)
+    model, task, tokenizer, optimizer, batches, args = setup(seed, learning_rate=learning_rate)
     scheduler = scheduler_factory(args)(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
@@ -121,13 +125,14 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--target_batch_size", type=int, default=OptimizerArguments.target_batch_size)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning_rate", type=float, default=None, help="reference: peak rate of Lamb")
     parser.add_argument("--device", default="cpu", help="throughput: where to train (cpu, cuda)")
     parser.add_argument("--fp16", action="store_true", help="throughput: fp16 autocast with loss scaling")
     args = parser.parse_args(argv)
     if args.mode == "throughput":
         result = throughput(args.seconds, args.seed, args.device, args.fp16)
     else:
-        result = reference(args.steps, args.target_batch_size, args.seed)
+        result = reference(args.steps, args.target_batch_size, args.seed, args.learning_rate)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

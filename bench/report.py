@@ -356,19 +356,16 @@ def wan_section(wan: dict) -> str:
 
 
 def _wan_loss_line(loss: dict) -> str:
-    """The loss runs' sentence: both modes at equal samples (the ratio), then the synchronous final models."""
+    """The loss ratio's sentence: the low-communication swarm's models, then the synchronous mode's updates over as
+    many samples (the plain reference loop)."""
     sync, lowcomm = loss["sync"], loss["lowcomm"]
-    equal = sync.get("equal_samples") or {}
     return (
-        f"Held-out loss at equal samples (real compute, fast links, {loss.get('common', 'default flags')}): "
-        f"low-communication ({loss['variant']}) {', '.join(_f(x, 4) for x in lowcomm['losses'])} after "
-        f"{equal.get('lowcomm_swarm_samples', sum(lowcomm['samples']))} samples in all ({lowcomm['samples']} per "
-        f"peer); synchronous {', '.join(_f(x, 4) for x in equal.get('losses', [])) or 'none'}, its peers' models as "
-        f"epoch {equal.get('snapshot_epoch')} began, one after epoch {equal.get('epoch')}, the first the swarm had "
-        f"fed {equal.get('swarm_samples')} samples or more; ratio **{_f(loss['ratio'], 4)}**. After the same global "
-        f"batches the synchronous peers had processed "
-        f"{sync['samples']} samples (micro-batches in flight at an epoch's end count toward it) and hold "
-        f"{', '.join(_f(x, 4) for x in sync['losses'])}: ratio {_f(loss.get('ratio_equal_batches'), 4)}."
+        f"Held-out loss at equal samples (real compute, {loss.get('common', 'default flags')}): low-communication "
+        f"({loss['variant']}, on {loss.get('links', 'fast links')}) {', '.join(_f(x, 4) for x in lowcomm['losses'])} "
+        f"after {sum(lowcomm['samples'])} samples in all ({lowcomm['samples']} per peer); the synchronous mode's "
+        f"updates (`bench.plain reference`: one process, Lamb over global batches, the loop the parity figure "
+        f"matches to a synchronous swarm) {_f(sync['loss'], 4)} after {sync['global_batches']} global batches "
+        f"({sync['samples']} samples); ratio **{_f(loss['ratio'], 4)}**."
     )
 
 
@@ -430,8 +427,10 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   the setting named above the table; *shadow compute* (`bench/shadow.py`) runs the real optimizer path on
   GPT-2-shaped gradients with a calibrated wait for forward and backward (utilisation and traffic only, never loss).
   Rounds averaged and given up are the peers' `averaged` and `round_given_up` events; a window that holds none of
-  the low-communication mode's rare parameter rounds reads a little fast. The loss runs train the default model on
-  fast links for the same global batches in each mode, each peer stopping at a round's end (`--max_steps`).
+  the low-communication mode's rare parameter rounds reads a little fast. The loss ratio's low-communication side is
+  the rate-scaled run of its variant (whole outer rounds, each peer stopping at the last one's end, `--max_steps`;
+  its window runs from every peer's first round to the first peer's last); its synchronous side is the synchronous
+  mode's updates over as many samples, computed by one process (`bench.plain reference`).
 """
 
 
