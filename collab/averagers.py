@@ -31,6 +31,7 @@ hivemind averagers and the monitor's ``TrainingStateAverager`` can still downloa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import logging
@@ -135,6 +136,11 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
         self.non_finite_kept_local = 0
         self.started = time.monotonic()
         self.sender_starts: dict[PeerID, float] = {}  # seconds after this peer's start that each sender's part came
+        self.over = asyncio.Event()  # set once this peer needs nothing more from its groupmates in this round
+
+    def finalize(self, **kwargs) -> None:
+        super().finalize(**kwargs)  # run() calls it once its outputs are in, and on every failure or cancel
+        self.over.set()
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -179,6 +185,12 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
             events.emit("refused", kind=f"{self.round_kind}s", groupmates=len(refused), kept_local=kept_local)
 
 
+# A departing peer's question to a groupmate (``rpc_round_over``): seconds the groupmate waits for its round at most
+# (the round's own timeouts end it sooner), and the averager's process's slack past the departing peer's timeout.
+GROUPMATES_WAIT_CAP = 600.0
+GROUPMATES_ANSWER_SLACK = 5.0
+
+
 class FiniteAveragingMixin:
     """Runs this averager's all-reduce rounds with ``FiniteAllReduceRunner``; put it before the hivemind class."""
 
@@ -187,11 +199,66 @@ class FiniteAveragingMixin:
     # state older than the swarm's (``BoundedLoadOptimizer``). None: always a full member.
     holds_swarm_state = None
 
+    # hivemind caches each class's RPC handlers on first use: a parent's cache would hide rpc_round_over
+    _rpc_handlers = None
+    _stub_type = None
+
     def __init__(self, *args, **kwargs):
         # The sender timeout this averager's process sized after its last round (0: none yet), shared with the
         # process that calls step(), which gathers it with each round (``current_part_timeout``).
         self._sized_part_timeout = mp.Value(ctypes.c_double, 0.0)  # before hivemind starts the averager's process
+        # (group ID, its peers, time.monotonic() at its start) of the last round, set in the averager's process
+        self._last_group: tuple[bytes, tuple[PeerID, ...], float] | None = None
         super().__init__(*args, **kwargs)
+
+    def wait_for_groupmates(self, timeout: float) -> int:
+        """Before leaving, at most ``timeout`` seconds: until each groupmate of this averager's last round says it
+        needs nothing more from this peer in it. Returns how many said so.
+
+        A peer has its own average once the groupmates' replies are in, while its replies to them (the average of the
+        part it reduces) may still be queued on its side of a slow link; leaving then cuts them, and each groupmate
+        keeps its own values for that part: the round's models disagree (``rpc_round_over``)."""
+        if timeout <= 0 or not self.is_alive():
+            return 0
+        future = MPFuture()
+        self._outer_pipe.send(("_wait_for_groupmates", [], dict(timeout=timeout, future=future)))
+        try:
+            return future.result(timeout + GROUPMATES_ANSWER_SLACK)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            return 0
+
+    async def _wait_for_groupmates(self, timeout: float, future: MPFuture) -> None:
+        confirmed = 0
+        try:
+            # a groupmate still in that round is within its averaging timeout of the round's start
+            recent = self._last_group is not None and (
+                self._allreduce_timeout is None or time.monotonic() - self._last_group[2] < self._allreduce_timeout
+            )
+            if recent:
+                group_id, peer_ids, _ = self._last_group
+                request = averaging_pb2.AveragingData(group_id=group_id)
+                asks = [
+                    self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_round_over(request, timeout=timeout)
+                    for peer in peer_ids
+                    if peer != self.peer_id
+                ]
+                answers = await asyncio.gather(*asks, return_exceptions=True)
+                confirmed = sum(not isinstance(each, BaseException) for each in answers)
+        finally:
+            answer(future, confirmed)
+
+    async def rpc_round_over(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """A groupmate about to leave asks whether this peer still needs anything from it in round
+        ``request.group_id``: answered once this peer's part of that round is over (at once if it is not in it; a
+        groupmate of a plain hivemind averager gets an error, which it takes as no answer)."""
+        registered = self._running_groups.get(request.group_id)
+        if registered is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                runner = await asyncio.wait_for(asyncio.shield(registered), GROUPMATES_WAIT_CAP)
+                await asyncio.wait_for(runner.over.wait(), GROUPMATES_WAIT_CAP)
+        return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, group_id=request.group_id)
 
     def current_part_timeout(self) -> float | None:
         """The sender timeout this averager would use in its next round (None: no ``next_chunk_timeout``)."""
@@ -229,6 +296,7 @@ class FiniteAveragingMixin:
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
+        self._last_group = (group_id, tuple(group_info.peer_ids), runner.started)
 
         try:
             if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:

@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import hivemind
@@ -32,7 +33,12 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
-from collab.averagers import FiniteAveragingOptimizer, FiniteGradientAverager, FiniteTrainingStateAverager
+from collab.averagers import (
+    FiniteAveragingMixin,
+    FiniteAveragingOptimizer,
+    FiniteGradientAverager,
+    FiniteTrainingStateAverager,
+)
 from collab.compression import make_codec
 from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory, parameter_round_every, progress_report_period
 from collab.repairs import RepairRequests
@@ -390,13 +396,20 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
     because the partner already left (hivemind would otherwise wait the whole ``averaging_timeout``). An update still
     running is forgotten, or ``hivemind.Optimizer.shutdown`` would wait for it again, up to ``averaging_timeout``
     more, and a peer stopped by SIGTERM would pass its shutdown deadline without saving its model.
+
+    In what is left of ``timeout``, the groupmates of each averager's last round get what they still need from this
+    peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut.
     """
+    deadline = time.monotonic() + timeout
     averager = optimizer.state_averager
     done, pending = concurrent.futures.wait(list(averager.pending_updates), timeout=timeout)
     if pending:
         logger.info("Leaving without the last background averaging round (no answer in %.0f s)", timeout)
         averager.pending_updates = set(done)
     averager.step(wait_for_delayed_updates=False, apply_delayed_updates=True)
+    for each in (optimizer.grad_averager, averager):
+        if isinstance(each, FiniteAveragingMixin):
+            each.wait_for_groupmates(deadline - time.monotonic())
 
 
 def build_state_averager(
