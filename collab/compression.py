@@ -69,6 +69,8 @@ SAMPLED_TOP_K_MIN_VALUES = 2**20
 TOP_K_SAMPLE = 2**16
 TOP_K_MARGIN = 1.5
 MAX_PART_VALUES = 2**26  # a sparse part claims its own size: bound what a groupmate can make this peer allocate
+QUANT_BLOCK = 256  # values per scale of Blockwise8BitWire: 2 bytes of scale per 256 of values
+SCALE_ROUND_UP = 1 + 2**-7  # a bfloat16 rounding of x * SCALE_ROUND_UP is never below x
 WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -113,9 +115,62 @@ class SparseFloat16Wire(Float16Compression):
 
 class Uniform8BitWire(Uniform8BitQuantization):
     """hivemind's uniform 8-bit quantisation (256 levels over 6 sigma, bucket means as codebook), read in a way
-    that works under numpy 2 whether or not ``collab.hivemind_fixes`` has patched hivemind."""
+    that works under numpy 2 whether or not ``collab.hivemind_fixes`` has patched hivemind. Decoded for groupmates
+    of earlier versions; this peer sends ``Blockwise8BitWire``."""
 
     extract = quantization_extract
+
+
+class Blockwise8BitWire(CompressionBase):
+    """8-bit integers with one bfloat16 scale per block of ``QUANT_BLOCK`` values (absmax / 127): 8.06 bits a value.
+
+    hivemind's uniform 8 bits span 6 sigma of the whole part and fold every value beyond into its end bucket's mean:
+    on pseudo-gradients, whose largest values sit in a few rows (embeddings), that lost 11 % of their norm and up to
+    38 % of a tensor's, and each peer rebuilt the round's average with a different error. Per block, no value is
+    clipped and the error stays under half a step of its own block's scale (0.7 % of the norm on the same tensors).
+    Layout of the buffer: the blocks' scales, then the values; typed BLOCKWISE_8BIT, which plain hivemind reads in
+    bitsandbytes' layout and refuses (the lengths differ).
+    """
+
+    compression_type = runtime_pb2.BLOCKWISE_8BIT
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % QUANT_BLOCK)).view(-1, QUANT_BLOCK)
+        # rounded up to bfloat16 (8 significant bits): no value of the block lands beyond 127 steps
+        scales = (blocks.abs().amax(dim=1) * (SCALE_ROUND_UP / 127)).to(torch.bfloat16)
+        steps = scales.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        values = blocks.div(steps).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[: flat.numel()]
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=scales.view(torch.int16).numpy().tobytes() + values.numpy().tobytes(),
+            size=tensor.shape,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        numel = math.prod(shape)
+        if numel > MAX_PART_VALUES:
+            raise ValueError(f"wire part of shape {shape}: more than {MAX_PART_VALUES} values")
+        if serialized_tensor.dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire part of dtype {serialized_tensor.dtype!r}: expected one of {list(WIRE_DTYPES)}")
+        num_blocks = -(-numel // QUANT_BLOCK)
+        buffer = serialized_tensor.buffer
+        expected = 2 * num_blocks + numel
+        if len(buffer) != expected:
+            raise ValueError(f"blockwise 8-bit part of {numel} values: {len(buffer)} bytes, expected {expected}")
+        if numel == 0:
+            return torch.zeros(shape, dtype=WIRE_DTYPES[serialized_tensor.dtype])
+        scales = torch.frombuffer(bytearray(buffer[: 2 * num_blocks]), dtype=torch.bfloat16).float()
+        values = torch.frombuffer(bytearray(buffer[2 * num_blocks :]), dtype=torch.int8).float()
+        padded = torch.nn.functional.pad(values, (0, num_blocks * QUANT_BLOCK - numel)).view(num_blocks, QUANT_BLOCK)
+        result = padded.mul_(scales.unsqueeze(1)).reshape(-1)[:numel].reshape(shape)
+        return result.to(WIRE_DTYPES[serialized_tensor.dtype]).requires_grad_(serialized_tensor.requires_grad)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return (1 + 2 / QUANT_BLOCK) / info.descriptor.dtype.itemsize
 
 
 class EightBitWire(AdaptiveCompressionBase):
@@ -124,7 +179,7 @@ class EightBitWire(AdaptiveCompressionBase):
     matrices in fp16)."""
 
     def __init__(self):
-        self.dense, self.quantized = Float16Compression(), Uniform8BitWire()
+        self.dense, self.quantized = Float16Compression(), Blockwise8BitWire()
 
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
         return self.dense if goes_dense(info.descriptor.size) else self.quantized
@@ -133,8 +188,12 @@ class EightBitWire(AdaptiveCompressionBase):
         return extract_wire_tensor(serialized_tensor)
 
 
-SPARSE_FLOAT16_WIRE, UNIFORM_8BIT_WIRE = SparseFloat16Wire(), Uniform8BitWire()
-WIRE_DECODERS = {runtime_pb2.FLOAT16: SPARSE_FLOAT16_WIRE, runtime_pb2.UNIFORM_8BIT: UNIFORM_8BIT_WIRE}
+SPARSE_FLOAT16_WIRE, BLOCKWISE_8BIT_WIRE = SparseFloat16Wire(), Blockwise8BitWire()
+WIRE_DECODERS = {
+    runtime_pb2.FLOAT16: SPARSE_FLOAT16_WIRE,
+    runtime_pb2.BLOCKWISE_8BIT: BLOCKWISE_8BIT_WIRE,
+    runtime_pb2.UNIFORM_8BIT: Uniform8BitWire(),
+}
 
 
 def extract_wire_tensor(serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
@@ -150,6 +209,8 @@ def encode_reply(delta: torch.Tensor, part_type: int) -> runtime_pb2.Tensor:
     fp16 parts are answered in the smallest fp16 form (the average's support is the union of the senders')."""
     if part_type == runtime_pb2.FLOAT16:
         return SPARSE_FLOAT16_WIRE.compress(delta, CompressionInfo.from_tensor(delta))
+    if part_type == runtime_pb2.BLOCKWISE_8BIT:
+        return BLOCKWISE_8BIT_WIRE.compress(delta, CompressionInfo.from_tensor(delta))
     return serialize_torch_tensor(delta, part_type)
 
 
