@@ -310,3 +310,31 @@ def test_a_round_waits_as_long_as_the_groupmate_that_asks_most(tmp_path):
         finally:
             for averager in pair:
                 averager.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_departing_peer_hears_from_the_groupmates_of_its_last_round_and_never_waits_for_one_that_left():
+    """``wait_for_groupmates`` asks each groupmate of the last round over ``rpc_round_over``, answered once that
+    groupmate's round is over (here at once: both rounds ended). Before any round there is no one to ask; a groupmate
+    that left cannot answer, and the question ends within its timeout instead of holding the departure."""
+    options = dict(prefix="departing", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True)
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        pair = [FiniteAverager([torch.zeros(1000)], dht=dht, next_chunk_timeout=5.0, **options) for dht in dhts]
+        try:
+            assert pair[0].wait_for_groupmates(5.0) == 0  # no round yet
+            for averager, value in zip(pair, (0.0, 2.0), strict=True):
+                fill(averager, value)
+            controls = [averager.step(wait=False, timeout=30, allow_retries=False) for averager in pair]
+            wait_until(lambda: all(control.done() for control in controls), 30, "both rounds to end")
+            assert [averaged_completely(averager) for averager in pair] == [True, True]
+            started = time.monotonic()
+            assert pair[0].wait_for_groupmates(10.0) == 1
+            assert time.monotonic() - started < 5.0
+            pair[1].shutdown()
+            started = time.monotonic()
+            assert pair[0].wait_for_groupmates(3.0) == 0
+            assert time.monotonic() - started < 3.0 + 5.0  # the timeout, and the averager's process's slack
+        finally:
+            for averager in pair:
+                if averager.is_alive():
+                    averager.shutdown()
