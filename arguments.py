@@ -286,8 +286,9 @@ class OptimizerArguments:
     pseudo_grad_compression: Literal["fp16", "8bit", "topk"] = field(
         default="fp16",
         metadata={
-            "help": "Low-communication mode: how pseudo-gradients travel: fp16, 8bit (as --grad_compression), or "
-            "topk (the largest --topk_fraction of each tensor at 2 bits, the rest held back for later rounds)"
+            "help": "Low-communication mode: how pseudo-gradients travel: fp16, 8bit (every matrix as 8-bit integers "
+            "with a scale per 256 values, small vectors fp16), or topk (the largest --topk_fraction of each tensor at "
+            "2 bits, the rest held back for later rounds)"
         },
     )
     topk_fraction: float = field(
