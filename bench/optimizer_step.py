@@ -81,8 +81,10 @@ def main(argv=None) -> int:
             "lamb_at_once_ms": round(at_once * 1000, 2),
             "speedup": round(loop / at_once, 2),
         }
-        per_tensor, fused = (seconds_per_finite_check(shape, steps, args.device, fused) for fused in (False, True))
-        row.update(finite_check_per_tensor_ms=round(per_tensor * 1e3, 3), finite_check_fused_ms=round(fused * 1e3, 3))
+        per_tensor, one_pass = (seconds_per_finite_check(shape, steps, args.device, fused) for fused in (False, True))
+        row.update(
+            finite_check_per_tensor_ms=round(per_tensor * 1e3, 3), finite_check_fused_ms=round(one_pass * 1e3, 3)
+        )
         if not on_cpu:  # the runs a GPU steps at once against the CPU's shorter ones, side by side
             cpu_runs = seconds_per_step(
                 SameLayoutLamb, shape, steps, args.device, chunk_elements=foreach_chunk_elements(torch.device("cpu"))

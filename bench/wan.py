@@ -286,9 +286,9 @@ def run_swarm(
     Peers start on a fast link (a newcomer's state download is not measured); once every peer is training, the links
     are shaped to ``rate_mbit``, the slowest peer enters its next epoch (alone: each peer's first steps), and then
     ``seconds`` or more are measured (``window_closed``): samples/s of all the peers and each peer's link bytes by
-    the kernel's counters. With ``stop_at_epoch``
-    the peers instead train until that global epoch (``--max_steps``), where each one saves its model and leaves by
-    itself, and their saved models are returned; the window then runs from epoch 1 to the first peer's last.
+    the kernel's counters. With ``stop_at_epoch`` the peers instead train until that global epoch (``--max_steps``),
+    where each one saves its model and leaves by itself, and their saved models are returned; the window then runs
+    from epoch 1 to the first peer's last.
     """
     stamp = int(time.time())
     steps = [log_dir / f"{name}_{rank}.steps.jsonl" for rank in range(len(network.peers))]
@@ -511,7 +511,9 @@ def loss_common_flags(plan: Plan) -> list[str]:
     return ["--target_batch_size", str(plan.target_batch_size), *plan.loss_flags]
 
 
-def loss_run(network: HubNetwork, plan: Plan, log_dir: Path, rate_mbit: float | None = None, flags=()) -> dict:
+def loss_run(
+    network: HubNetwork, plan: Plan, log_dir: Path, rate_mbit: float | None = None, flags: Sequence[str] = ()
+) -> dict:
     """The loss ratio's low-communication side: whole outer rounds of ``plan.loss_variant`` holding at least
     ``loss_steps_per_peer`` micro-batches a peer, each peer saving its model at the end; on links shaped to
     ``rate_mbit`` (with the peers' ``flags``: their ``--bandwidth``) where given."""
