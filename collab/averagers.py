@@ -255,7 +255,7 @@ class FiniteAveragingMixin:
         groupmate of a plain hivemind averager gets an error, which it takes as no answer)."""
         registered = self._running_groups.get(request.group_id)
         if registered is not None:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 runner = await asyncio.wait_for(asyncio.shield(registered), GROUPMATES_WAIT_CAP)
                 await asyncio.wait_for(runner.over.wait(), GROUPMATES_WAIT_CAP)
         return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, group_id=request.group_id)

@@ -398,7 +398,7 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
     more, and a peer stopped by SIGTERM would pass its shutdown deadline without saving its model.
 
     In what is left of ``timeout``, the groupmates of each averager's last round get what they still need from this
-    peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut.
+    peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut; not after a round that hung.
     """
     deadline = time.monotonic() + timeout
     averager = optimizer.state_averager
@@ -407,6 +407,8 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
         logger.info("Leaving without the last background averaging round (no answer in %.0f s)", timeout)
         averager.pending_updates = set(done)
     averager.step(wait_for_delayed_updates=False, apply_delayed_updates=True)
+    if pending:
+        return
     for each in (optimizer.grad_averager, averager):
         if isinstance(each, FiniteAveragingMixin):
             each.wait_for_groupmates(deadline - time.monotonic())
