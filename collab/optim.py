@@ -411,7 +411,15 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
         return
     for each in (optimizer.grad_averager, averager):
         if isinstance(each, FiniteAveragingMixin):
-            each.wait_for_groupmates(deadline - time.monotonic())
+            started = time.monotonic()
+            answered = each.wait_for_groupmates(deadline - started)
+            if time.monotonic() - started >= 1.0:
+                logger.info(
+                    "Waited %.1f s for the groupmates of the last %s round (%d answered) before leaving",
+                    time.monotonic() - started,
+                    each.round_kind,
+                    answered,
+                )
 
 
 def build_state_averager(
