@@ -42,8 +42,7 @@ def test_peers_stopping_after_a_round_leave_their_groupmates_its_whole_average(t
     try:
         join = peers[0].join_flags(timeout=60)
         peers.append(peer_at(b_site, [*flags, *join], tmp_path, "B"))
-        a, b = peers
-        b.wait_for_event("started", 120)
+        peers[1].wait_for_event("started", 120)
         two_sites.set_peer_rate(1, FAST_MBIT, B_DOWNLOAD_MBIT)
         codes = [p.wait(timeout=240) for p in peers]
     finally:
