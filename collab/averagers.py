@@ -31,6 +31,7 @@ hivemind averagers and the monitor's ``TrainingStateAverager`` can still downloa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import logging
@@ -223,7 +224,7 @@ class FiniteAveragingMixin:
         self._outer_pipe.send(("_wait_for_groupmates", [], dict(timeout=timeout, future=future)))
         try:
             return future.result(timeout + GROUPMATES_ANSWER_SLACK)
-        except TimeoutError:  # concurrent.futures' is the builtin since Python 3.11
+        except (TimeoutError, concurrent.futures.TimeoutError):  # two classes until Python 3.11
             return 0
 
     async def _wait_for_groupmates(self, timeout: float, future: MPFuture) -> None:
