@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -25,11 +26,15 @@ from collab.averagers import FiniteAverager, FiniteTrainingStateAverager
 from collab.hivemind_fixes import FixedDHT, apply_entry_point_patches
 from collab.optim import gradient_compression, lamb_factory
 from collab.schema import LocalMetrics, make_validators, metrics_key
+from collab.timeouts import derive_timeouts, estimate_transfers
 from trainer.local import wait_until
 
 VOCAB = 4096
 PHASE_TIMEOUT = 300.0
 FP16 = 2  # bytes per value on the wire
+ROUND_TRIES = 3  # tries of each timed round, all peers together
+
+logger = logging.getLogger(__name__)
 
 
 def model_like_shapes(params: int) -> list[tuple[int, ...]]:
@@ -71,8 +76,13 @@ def publish_metrics(dht: hivemind.DHT, prefix: str, rank: int) -> None:
     dht.store(metrics_key(prefix), metrics.model_dump(), get_dht_time() + 600, subkey=public_key)
 
 
-def timed_rounds(dht, tensors, prefix: str, args) -> list[tuple[float, float]]:
-    """``rounds`` all-reduce rounds after one warm-up; each ``(time the all-reduce was let go, time it ended)``."""
+def timed_rounds(dht, tensors, prefix: str, args, sync_dir: Path) -> list[tuple[float, float]]:
+    """``rounds`` all-reduce rounds after one warm-up; each ``(time the all-reduce was let go, time it ended)``.
+
+    A round that fails on any peer is run again by all of them (``ROUND_TRIES``): under load hivemind's matchmaking
+    can count a follower whose join request timed out, and the group then waits for it until its all-reduce times
+    out (``round_timeout``)."""
+    timeout = round_timeout(sum(t.numel() for t in tensors), args)
     averager = FiniteAverager(
         averaged_tensors=tensors,
         dht=dht,
@@ -82,29 +92,73 @@ def timed_rounds(dht, tensors, prefix: str, args) -> list[tuple[float, float]]:
         target_group_size=args.peers,
         min_group_size=args.peers,
         min_matchmaking_time=args.matchmaking_time,
-        request_timeout=1.0,
+        allreduce_timeout=timeout,
         bandwidth=args.bandwidth,
     )
     times = []
     try:
         for index in range(args.rounds + 1):
-            control = averager.step(wait=False, require_trigger=True, timeout=PHASE_TIMEOUT)
-            wait_until(
-                lambda control=control: control.stage == AveragingStage.AWAITING_TRIGGER or control.done(),
-                PHASE_TIMEOUT,
-                "an averaging group",
-                poll=0.005,
-            )
-            started = time.time()
-            control.allow_allreduce()
-            group = control.result(timeout=PHASE_TIMEOUT)
+            span = agreed_round(averager, sync_dir, f"{prefix}_round{index}", args, timeout)
             if index > 0:
-                times.append((started, time.time()))
-            if not group or len(group) != args.peers:
-                raise RuntimeError(f"round {index}: group of {len(group or ())} peers, expected {args.peers}")
+                times.append(span)
     finally:
         averager.shutdown()
     return times
+
+
+def round_timeout(numel: int, args) -> float:
+    """The trainers' averaging timeout for a round of ``numel`` values among ``--peers`` at ``--bandwidth``."""
+    transfers = estimate_transfers(
+        parameters=numel,
+        state_values_per_parameter=0,
+        bytes_per_value=1 if args.compression == "8bit" else FP16,
+        model_bytes=0,
+        group_size=args.peers,
+        bandwidth_mbit=args.bandwidth,
+    )
+    return derive_timeouts(transfers, args.matchmaking_time).averaging_timeout
+
+
+def agreed_round(averager, sync_dir: Path, phase: str, args, timeout: float) -> tuple[float, float]:
+    """One round every peer completed in a group of all ``--peers``; tries again, all peers together, otherwise."""
+    for attempt in range(ROUND_TRIES):
+        span = one_round(averager, args.peers, timeout)
+        if agree(sync_dir, f"{phase}_try{attempt}", args.rank, args.peers, span is not None):
+            return span
+        logger.warning(f"{phase}: a peer's round failed (try {attempt + 1} of {ROUND_TRIES}); all peers try again")
+    raise RuntimeError(f"{phase}: no round that every peer completed in {ROUND_TRIES} tries")
+
+
+def one_round(averager, peers: int, timeout: float) -> tuple[float, float] | None:
+    """``(time the all-reduce was let go, time it ended)``, or None where the round failed or its group was short."""
+    control = averager.step(wait=False, require_trigger=True, allow_retries=False, timeout=timeout)
+    wait_until(
+        lambda: control.stage == AveragingStage.AWAITING_TRIGGER or control.done(),
+        PHASE_TIMEOUT,
+        "an averaging group",
+        poll=0.005,
+    )
+    started = time.time()
+    control.allow_allreduce()
+    try:
+        group = control.result(timeout=timeout + PHASE_TIMEOUT)
+    except Exception as error:  # hivemind's matchmaking and all-reduce errors, a timeout: this try failed
+        logger.warning(f"round failed: {error!r}")
+        return None
+    if not group or len(group) != peers:
+        logger.warning(f"round formed a group of {len(group or ())} peers, expected {peers}")
+        return None
+    return started, time.time()
+
+
+def agree(sync_dir: Path, phase: str, rank: int, peers: int, succeeded: bool) -> bool:
+    """A file barrier that also tells every peer whether all of them ``succeeded``."""
+    tmp = sync_dir / f"{phase}.tmp{rank}"
+    tmp.write_text("1" if succeeded else "0")
+    tmp.rename(sync_dir / f"{phase}.{rank}")
+    paths = [sync_dir / f"{phase}.{other}" for other in range(peers)]
+    wait_until(lambda: all(path.exists() for path in paths), PHASE_TIMEOUT, f"barrier {phase}", poll=0.1)
+    return all(path.read_text() == "1" for path in paths)
 
 
 def state_numel(optimizer: torch.optim.Optimizer, params) -> int:
@@ -179,7 +233,7 @@ def main(argv=None) -> None:
             else:
                 tensors = [torch.randn(shape) for shape in shapes]
                 barrier(sync_dir, f"ar{size}", args.rank, args.peers)
-                results["rounds"][size] = timed_rounds(dht, tensors, f"bench_ar{size}", args)
+                results["rounds"][size] = timed_rounds(dht, tensors, f"bench_ar{size}", args, sync_dir)
                 results["numel"] = {**results.get("numel", {}), size: sum(t.numel() for t in tensors)}
             out.write_text(json.dumps(results))
         barrier(sync_dir, "end", args.rank, args.peers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,7 +26,7 @@ from bench.formulas import (
     total_samples_per_second,
     transfer_bound_s,
 )
-from bench.netpeer import model_like_shapes
+from bench.netpeer import agree, model_like_shapes
 from bench.plain import throughput
 from bench.records import synthetic_records
 from bench.slow_peer import peer_counts
@@ -136,6 +137,18 @@ def test_summary_is_one_json_line_with_every_key():
 def test_model_like_shapes_are_about_the_asked_size(params):
     numel = sum(math.prod(shape) for shape in model_like_shapes(params))
     assert 0.85 * params < numel < 1.15 * params
+
+
+def test_the_peers_of_a_timed_round_agree_to_try_again_when_any_one_failed(tmp_path):
+    def outcomes(phase: str, succeeded: list[bool]) -> list[bool]:
+        with ThreadPoolExecutor(len(succeeded)) as pool:
+            peers = len(succeeded)
+            calls = [pool.submit(agree, tmp_path, phase, rank, peers, ok) for rank, ok in enumerate(succeeded)]
+            return [call.result(timeout=30) for call in calls]
+
+    assert outcomes("round0_try0", [True, True, True]) == [True, True, True]
+    assert outcomes("round1_try0", [True, False, True]) == [False, False, False]
+    assert outcomes("round1_try1", [True, True, True]) == [True, True, True]
 
 
 def test_synthetic_records_are_valid_and_unexpired():
