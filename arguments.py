@@ -283,14 +283,6 @@ class OptimizerArguments:
         default=0.9,
         metadata={"help": "Low-communication mode: the outer SGD's Nesterov momentum, in [0, 1) (DiLoCo's 0.9)"},
     )
-    eager_outer_step: bool = field(
-        default=True,
-        metadata={
-            "help": "Low-communication mode, with --delay_optimizer_step: while a round's average travels, train on "
-            "from the anchor the outer step would give if the average were this peer's own pseudo-gradient, and "
-            "correct by the difference once it arrives. false: train on from where the round ended"
-        },
-    )
     pseudo_grad_compression: Literal["fp16", "8bit", "topk"] = field(
         default="fp16",
         metadata={

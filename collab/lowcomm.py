@@ -12,11 +12,9 @@ Round trigger: a round ends when the swarm has processed ``H x target_batch_size
 adding samples, and each peer's pseudo-gradient counts by the samples behind it.
 
 Overlap: the all-reduce and the outer step run in the background (hivemind's delayed optimizer step) while the peer
-takes its next inner steps, from where the outer step would land if the average were its own pseudo-gradient
-(``eager_anchor``; with ``--eager_outer_step false``, from where the round ended). The new anchor is applied as soon as
-it is ready, at the latest at the next round's end: the parameters move by (new anchor - that starting point), so the
-inner progress made meanwhile is kept, re-based on the new anchor (``rebase_``), and counts toward the next
-pseudo-gradient.
+takes its next inner steps. The new anchor is applied as soon as it is ready, at the latest at the next round's end:
+the parameters move by (new anchor - parameters at the round's end), so the inner progress made meanwhile is kept,
+re-based on the new anchor (``rebase_``), and counts toward the next pseudo-gradient.
 
 Newcomers download the anchor, the outer momentum and the serving peer's Lamb state (all in the outer optimizer's
 ``state_dict``, which is also what the monitor's checkpoints hold) and start at that round.
@@ -109,17 +107,6 @@ def rebase_(current: torch.Tensor, new_anchor: torch.Tensor, reference: torch.Te
     reference.copy_(snapshot)
 
 
-@torch.no_grad()
-def eager_anchor(
-    anchor: torch.Tensor, pseudo_gradient: torch.Tensor, momentum_buffer: torch.Tensor, lr: float, momentum: float
-) -> torch.Tensor:
-    """The anchor ``OuterNesterov`` would step to if the swarm's averaged pseudo-gradient were ``pseudo_gradient``
-    (torch's SGD with Nesterov momentum), without changing ``anchor`` or ``momentum_buffer``."""
-    gradient = pseudo_gradient.to(anchor.device, anchor.dtype)
-    step = gradient + momentum * (momentum * momentum_buffer + gradient) if momentum > 0 else gradient
-    return anchor - lr * step
-
-
 def shared_inner_state(inner_state: dict) -> dict:
     """The inner optimizer's ``state_dict`` without Lamb's per-step outputs, which peers could not exchange: Lamb
     makes ``trust_ratio`` a Python 1 where a norm is 0, so peers that stepped on different batches would hold
@@ -175,8 +162,8 @@ class LowCommStateAverager(FiniteTrainingStateAverager):
     """hivemind's TrainingStateAverager over the anchors, whose offloaded step re-bases the parameters
     (``rebase_``) instead of overwriting them, and whose epoch drives the inner learning-rate schedule."""
 
-    def __init__(self, *, inner_scheduler=None, eager_outer_step: bool = False, **kwargs):
-        self.inner_scheduler, self.eager_outer_step = inner_scheduler, eager_outer_step
+    def __init__(self, *, inner_scheduler=None, **kwargs):
+        self.inner_scheduler = inner_scheduler
         self._replace_parameters = False
         super().__init__(**kwargs)
         self.round_reference = [anchor.detach().clone() for anchor in self._anchors()]
@@ -187,25 +174,12 @@ class LowCommStateAverager(FiniteTrainingStateAverager):
 
     @torch.no_grad()
     def capture_pseudo_gradient_(self, outputs: Sequence[torch.Tensor]) -> None:
-        """At a round's end: this peer's pseudo-gradients into ``outputs``; its parameters become the reference.
-
-        ``eager_outer_step``: the parameters first move to ``eager_anchor``, the outer step's result if the average
-        were this peer's own pseudo-gradient. At steady momentum the outer step moves the anchor several rounds'
-        progress away from where the round ended; inner steps taken there while the average travels would be re-based
-        onto a point far from where they were computed. The re-base corrects the estimate once the average arrives."""
+        """At a round's end: this peer's pseudo-gradients into ``outputs``; its parameters become the reference."""
         for out, anchor, current, reference in zip(
             outputs, self._anchors(), self.main_parameters, self.round_reference, strict=True
         ):
             pseudo_gradient_(out, anchor, current)
-            if self.eager_outer_step:
-                group = self._group_of(anchor)
-                momentum_buffer = self.optimizer.state[anchor]["momentum_buffer"]
-                estimate = eager_anchor(anchor, out, momentum_buffer, group["lr"], group["momentum"])
-                current.copy_(estimate.to(current.device, current.dtype))
             reference.copy_(current)
-
-    def _group_of(self, anchor: torch.Tensor) -> dict:
-        return next(group for group in self.optimizer.param_groups if any(p is anchor for p in group["params"]))
 
     @torch.no_grad()
     def _apply_optimizer_parameters_(self):
@@ -290,12 +264,10 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         target_batch_size: int,
         outer_learning_rate: float,
         outer_momentum: float,
-        eager_outer_step: bool = False,
         repairs: RepairRequests | None = None,
         **kwargs,
     ):
         self.inner_optimizer, self.codec, self._inner_scheduler = inner_optimizer, codec, inner_scheduler
-        self._eager_outer_step = eager_outer_step
         self.repairs = repairs
         self._read_repairs_near_end_of: int | None = None
         super().__init__(
@@ -315,9 +287,7 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
     state_averager_class = LowCommStateAverager
 
     def _state_averager_options(self) -> dict:
-        # without the delayed step the average is applied before the next inner step: nothing to estimate
-        eager = self._eager_outer_step and self.delay_optimizer_step
-        return {"inner_scheduler": self._inner_scheduler, "eager_outer_step": eager}
+        return {"inner_scheduler": self._inner_scheduler}
 
     def _make_gradient_averager(self, factory, **kwargs):
         factory = partial(PseudoGradientAverager, state_averager=self.state_averager, codec=self.codec)

@@ -385,7 +385,6 @@ def lowcomm_mode(model: torch.nn.Module, optimizer_args: OptimizerArguments, tra
         local_steps=optimizer_args.local_steps,
         outer_learning_rate=optimizer_args.outer_learning_rate,
         outer_momentum=optimizer_args.outer_momentum,
-        eager_outer_step=optimizer_args.eager_outer_step,
     )
 
 

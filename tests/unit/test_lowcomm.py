@@ -20,7 +20,6 @@ from collab.errors import ConfigError
 from collab.lowcomm import (
     LowCommOptimizer,
     OuterNesterov,
-    eager_anchor,
     outer_optimizer_factory,
     parameter_round_every,
     progress_report_period,
@@ -60,21 +59,6 @@ def test_outer_optimizer_ignores_the_inner_groups_weight_decay():
         param.grad = torch.zeros_like(param)
     outer.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-
-
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_the_eager_anchor_is_where_torchs_nesterov_sgd_steps_on_this_peers_pseudo_gradient(momentum):
-    torch.manual_seed(0)
-    anchor, gradient, buffer = torch.randn(64), torch.randn(64), torch.randn(64)
-    param = torch.nn.Parameter(anchor.clone())
-    sgd = torch.optim.SGD([param], lr=0.7, momentum=momentum, nesterov=momentum > 0)
-    if momentum > 0:
-        sgd.state[param]["momentum_buffer"] = buffer.clone()
-    param.grad = gradient.clone()
-    sgd.step()
-    kept = anchor.clone(), buffer.clone()
-    assert torch.allclose(eager_anchor(anchor, gradient, buffer, 0.7, momentum), param.detach(), atol=1e-6)
-    assert torch.equal(anchor, kept[0]) and torch.equal(buffer, kept[1])  # the estimate changes neither
 
 
 def test_pseudo_gradient_points_from_the_local_progress_back_to_the_anchor():
@@ -195,17 +179,13 @@ def test_inner_steps_take_the_rate_scaled_by_the_root_of_their_share_of_the_targ
     assert inner_learning_rate(0.2, inner_batch=512, target_batch_size=256) == 0.2  # never above the step's rate
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round(eager):
+def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
     """Alone, a round's pseudo-gradient is this peer's own: once the background outer step is applied, anchor and
-    parameters are the start moved by 0.7 x (1 + 0.9) x the pseudo-gradient (Nesterov's first step). With the eager
-    outer step the parameters stand there from the round's end on, to the fp16 rounding of what the round sent."""
+    parameters are the start moved by 0.7 x (1 + 0.9) x the pseudo-gradient (Nesterov's first step)."""
     torch.manual_seed(0)
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
     start = [p.detach().clone() for group in parameter_groups(model, 0.01) for p in group["params"]]
-    optimizer_args = OptimizerArguments(
-        target_batch_size=8, local_steps=3, matchmaking_time=1.0, eager_outer_step=eager
-    )
+    optimizer_args = OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0)
     training_args = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -234,13 +214,9 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round(eager):
             optimizer.state_averager.step(wait_for_delayed_updates=True)
             anchors = [p for group in optimizer.opt.param_groups for p in group["params"]]
             for first, end, anchor, now in zip(start, at_round_end, anchors, main, strict=True):
-                if eager:
-                    assert torch.allclose(end, anchor, rtol=1e-3, atol=1e-5)
-                    assert torch.allclose(now, anchor, atol=1e-6)
-                else:
-                    expected = first - 0.7 * 1.9 * (first - end)
-                    assert torch.allclose(anchor, expected, atol=1e-6)
-                    assert torch.allclose(now, expected, atol=1e-6)
+                expected = first - 0.7 * 1.9 * (first - end)
+                assert torch.allclose(anchor, expected, atol=1e-6)
+                assert torch.allclose(now, expected, atol=1e-6)
             assert sum((a - s).abs().sum().item() for a, s in zip(anchors, start, strict=True)) > 0
             # a parameter round averages the anchors and nothing else: 2 bytes a parameter in fp16
             with optimizer.state_averager.get_tensors() as averaged:
