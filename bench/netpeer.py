@@ -48,8 +48,7 @@ def model_like_shapes(params: int) -> list[tuple[int, ...]]:
 
 
 def barrier(sync_dir: Path, phase: str, rank: int, peers: int) -> None:
-    (sync_dir / f"{phase}.{rank}").touch()
-    wait_until(lambda: len(list(sync_dir.glob(f"{phase}.*"))) >= peers, PHASE_TIMEOUT, f"barrier {phase}", poll=0.1)
+    agree(sync_dir, phase, rank, peers, succeeded=True)
 
 
 def start_dht(args, sync_dir: Path) -> hivemind.DHT:
