@@ -8,7 +8,9 @@ state (parameters and Lamb's two moments, in fp16 on the wire) is then several h
 outlasts many of the veteran's epochs, so the newcomer also has to catch up (``catching_up``, then ``caught_up``
 with the next parameter round) before its first gradient round with its own samples. With ``--local_steps H`` both
 peers run the low-communication mode, where the newcomer asks for that parameter round (``repair_requested``,
-``repairs_requested`` in the figures) and its first own round is a pseudo-gradient round.
+``repairs_requested`` in the figures) and its first own round is a pseudo-gradient round, which may come before it
+is whole (``collab.averagers.catching_up_weight``: pseudo-gradients from a state a few rounds old count, weighted
+down).
 
 Figures, from the newcomer's events and its link's kernel counters:
 

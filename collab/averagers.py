@@ -195,9 +195,10 @@ class FiniteAveragingMixin:
     """Runs this averager's all-reduce rounds with ``FiniteAllReduceRunner``; put it before the hivemind class."""
 
     round_kind: str  # named in the warning of a round that dropped values
-    # Shared with the optimizer and the other averager (an mp.Value(c_bool)); False while this peer catches up with a
-    # state older than the swarm's (``BoundedLoadOptimizer``). None: always a full member.
-    holds_swarm_state = None
+    # Shared with the optimizer and the other averager (an mp.Value(c_int)): how many epochs the state this peer
+    # catches up from was behind the swarm's when it took it (``BoundedLoadOptimizer``); 0 once it holds the swarm's.
+    # None: always a full member.
+    state_lag = None
 
     # hivemind caches each class's RPC handlers on first use: a parent's cache would hide rpc_round_over
     _rpc_handlers = None
@@ -274,11 +275,12 @@ class FiniteAveragingMixin:
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id: bytes | None = None, **kwargs):
         """hivemind's ``DecentralizedAverager._run_allreduce_inplace_`` with ``FiniteAllReduceRunner``.
 
-        While this peer catches up it takes part with weight 0: it receives the group's average and adds nothing from
-        its old state. The first parameter round whose every value came from groupmates with weight makes it whole."""
-        catching_up = self.holds_swarm_state is not None and not self.holds_swarm_state.value
-        if catching_up:
-            kwargs["weight"] = 0.0
+        While this peer catches up its weight is ``catching_up_weight``'s: 0 in parameter rounds, where it receives
+        the group's average and adds nothing from its old state. The first parameter round whose every value came from
+        groupmates with weight makes it whole."""
+        lag = 0 if self.state_lag is None else self.state_lag.value
+        if lag:
+            kwargs["weight"] = catching_up_weight(self.round_kind, kwargs.get("weight", 1.0), lag)
         if kwargs.get("sender_timeout") is not None:
             gathered = map(gathered_part_timeout, group_info.gathered)
             seconds = group_part_timeout(kwargs["sender_timeout"], gathered, self._part_timeout_sizer().cap)
@@ -310,8 +312,8 @@ class FiniteAveragingMixin:
         finally:
             self._size_part_timeout(runner)
         made_whole = evened_out(runner.group_size, runner.values_kept_local())
-        if catching_up and self.round_kind == "parameter" and made_whole:
-            self.holds_swarm_state.value = True
+        if lag and self.round_kind == "parameter" and made_whole:
+            self.state_lag.value = 0
 
     def _size_part_timeout(self, runner: FiniteAllReduceRunner) -> None:
         """The next rounds' sender and reducer timeouts, sized by this round's late starts (``PartTimeout``); hivemind
@@ -360,6 +362,21 @@ class PartTimeout:
         return self.seconds
 
 
+# A low-communication peer catching up adds its pseudo-gradients, measured from the state it took, while that state
+# was at most this many outer rounds behind the swarm's, weighted down by the lag (bounded staleness, as asynchronous
+# DiLoCo variants allow): its samples count from its first round instead of after the parameter round that repairs it.
+MAX_CONTRIBUTING_LAG = 4
+
+
+def catching_up_weight(round_kind: str, weight: float, lag: int) -> float:
+    """The weight of a peer ``lag`` epochs behind in a round whose own weight would be ``weight`` (its samples):
+    ``weight / (1 + lag)`` in pseudo-gradient rounds up to ``MAX_CONTRIBUTING_LAG``, else 0. Gradients and
+    parameters from an old state stay out: a synchronous epoch is one step, so its lag is many steps."""
+    if round_kind != "pseudo-gradient" or not 0 < lag <= MAX_CONTRIBUTING_LAG:
+        return 0.0
+    return weight / (1 + lag)
+
+
 def evened_out(group_size: int, values_kept_local: int) -> bool:
     """Whether a round taken part in with weight 0 replaced every value with the groupmates' average: a value whose
     reducer failed, or whose every sender had weight 0 (0/0), is kept local."""
@@ -377,8 +394,8 @@ class FiniteGradientAverager(FiniteAveragingMixin, GradientAverager, FixedDecent
 
     round_kind = "gradient"
 
-    def __init__(self, *args, holds_swarm_state=None, **kwargs):
-        self.holds_swarm_state = holds_swarm_state  # before hivemind starts the averager's process, which reads it
+    def __init__(self, *args, state_lag=None, **kwargs):
+        self.state_lag = state_lag  # before hivemind starts the averager's process, which reads it
         super().__init__(*args, **kwargs)
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
@@ -505,7 +522,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     def __init__(self, *, run_id: str | None = None, **kwargs):
         self.run_id = run_id
         self._max_donor_epoch = mp.Value(ctypes.c_double, math.inf)  # read by the averager's process
-        self.holds_swarm_state = mp.Value(ctypes.c_bool, True)
+        self.state_lag = mp.Value(ctypes.c_int, 0)
         super().__init__(**kwargs)
 
     def swarm_epoch(self) -> int | None:
@@ -703,16 +720,17 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         return self.tracker.global_epoch if self.tracker.global_progress.num_peers > 1 else None
 
     def _begin_catching_up(self, state_epoch: int, swarm_epoch: int) -> None:
-        """Train on from a downloaded state of ``state_epoch``, older than ``swarm_epoch``, without letting it into
-        the swarm.
+        """Train on from a downloaded state of ``state_epoch``, older than ``swarm_epoch``, without letting its
+        parameters into the swarm.
 
-        Until a parameter round has given this peer the swarm's parameters, its rounds take part with weight 0 (it
-        receives the averages, adds nothing: ``FiniteAveragingMixin``), it reports no samples toward the swarm's batch
-        (but still publishes its progress, so that the others average with it) and it shares no state with
-        newcomers. ``step`` sees the end of it."""
+        Until a parameter round has given this peer the swarm's parameters, its rounds take part with the weight of
+        ``catching_up_weight`` (0 but for low-communication pseudo-gradients from a state a few rounds old: it receives
+        the averages, adds nothing else), it reports no samples toward the swarm's batch (but still publishes its
+        progress, so that the others average with it) and it shares no state with newcomers. ``step`` sees the end of
+        it."""
         if self.catching_up_since is None:
             self.catching_up_since = time.monotonic()
-        self.state_averager.holds_swarm_state.value = False
+        self.state_averager.state_lag.value = max(1, swarm_epoch - state_epoch)
         self.tracker.counts_no_samples = True
         if self.state_averager.allow_state_sharing:
             self.state_averager.allow_state_sharing = False
@@ -725,8 +743,8 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         events.emit("catching_up", epoch=state_epoch, global_epoch=swarm_epoch)
 
     def _finish_catching_up(self) -> None:
-        """After the parameter round that made this peer whole (``holds_swarm_state`` set by its averager)."""
-        if self.catching_up_since is None or not self.state_averager.holds_swarm_state.value:
+        """After the parameter round that made this peer whole (``state_lag`` back to 0 by its averager)."""
+        if self.catching_up_since is None or self.state_averager.state_lag.value:
             return
         seconds, self.catching_up_since = time.monotonic() - self.catching_up_since, None
         self.tracker.counts_no_samples = False
@@ -749,13 +767,11 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         return super().step(*args, **kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
-        """The factory's averager, sharing ``holds_swarm_state``, tagging each round with the epoch it averages (the
+        """The factory's averager, sharing ``state_lag``, tagging each round with the epoch it averages (the
         local epoch when the round is scheduled or begun, before the step that ends that epoch) and giving up a round
         once the swarm's epoch shows that its group formed without this peer."""
         state_averager = self.state_averager
-        averager = super()._make_gradient_averager(
-            partial(factory, holds_swarm_state=state_averager.holds_swarm_state), **kwargs
-        )
+        averager = super()._make_gradient_averager(partial(factory, state_lag=state_averager.state_lag), **kwargs)
         averager.round_epoch = lambda: state_averager.local_epoch
         averager.tracked_swarm_epoch = self._tracked_swarm_epoch
         return averager

@@ -338,7 +338,7 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         if self.repairs is None or self.catching_up_since is None:
             return
         averager = self.state_averager
-        if averager.averaging_in_progress or averager.holds_swarm_state.value:
+        if averager.averaging_in_progress or not averager.state_lag.value:
             return  # a round still running, or one that made it whole (the next step ends catching up)
         requested, now = self.repairs.requested, get_dht_time()
         if requested is not None and requested >= self.local_epoch:

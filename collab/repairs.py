@@ -2,8 +2,10 @@
 next regular one.
 
 In the low-communication mode parameter rounds come every 4 to 32 outer rounds (``lowcomm.parameter_round_every``),
-and a newcomer whose downloaded state arrived rounds old adds nothing until one has given it the swarm's anchor
-(``BoundedLoadOptimizer._begin_catching_up``): with rounds of minutes that is up to hours of a volunteer's GPU. So it
+and a newcomer whose downloaded state arrived rounds old keeps its parameters out of the swarm until one has given it
+the swarm's anchor (``BoundedLoadOptimizer._begin_catching_up``; meanwhile its pseudo-gradients count only weighted
+down, and not at all from a state over ``MAX_CONTRIBUTING_LAG`` rounds old): with rounds of minutes waiting for a
+regular one is up to hours of a volunteer's GPU. So it
 stores a request, key ``{experiment_prefix}_repairs``, subkey its public key (signed: only it can change its own),
 value the global epoch at whose start it wants the round. Every peer reads the requests at each epoch's start and
 again as the epoch nears its end, and runs a parameter round at a requested epoch as at a regular one.

@@ -5,7 +5,8 @@ Two trainers in their own namespaces on bench.procs' hub, every link shaped to L
 once A has made some epochs. B's download (parameters and Lamb's moments) takes several of A's epochs, so the state it
 gets is epochs old when it arrives: plain hivemind loads it again at the next step, and again, and B never trains
 (docs/RELIABILITY.md). Here B takes the collaboration's epoch and catches up: its rounds have weight 0 until a
-parameter round gives it A's parameters, and only then does it add its own gradients. Its Lamb statistics stay those
+parameter round gives it A's parameters, and only then does it add its own gradients (in the low-communication mode
+its pseudo-gradients from a state a few rounds old count before, weighted down). Its Lamb statistics stay those
 of the state it downloaded (parameter rounds carry parameters only), so it drifts from A more than a full member
 would until they converge, and each parameter round evens that out: the test does not compare the final models.
 """
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from collab.averagers import MAX_CONTRIBUTING_LAG
 from tests.integration.sites import hub_or_skip, peer_at
 from trainer.local import wait_until
 
@@ -126,6 +128,11 @@ def test_a_low_communication_newcomer_asks_for_the_parameter_round_that_makes_it
     assert len(requests) <= 2, requests  # one request, or one renewed after a round that formed no group
     # A ran that parameter round with B, though its regular ones come every 1000 epochs
     assert any(r["group_size"] == 2 for r in rounds(a, "parameters")), rounds(a, "parameters")
-    assert all(r["weight"] == 0 for r in rounds(b, "pseudo-gradients") if r["time"] < caught_up["time"])
+    # until then its parameters stay out; its pseudo-gradients from the state it took count, weighted down by how far
+    # behind that state was, where that is within MAX_CONTRIBUTING_LAG (collab.averagers.catching_up_weight)
+    assert all(r["weight"] == 0 for r in rounds(b, "parameters") if r["time"] < caught_up["time"])
+    lag = catching_up["global_epoch"] - catching_up["epoch"]
+    early = [r for r in rounds(b, "pseudo-gradients") if r["time"] < caught_up["time"] and r["group_size"] == 2]
+    assert all((r["weight"] > 0) == (lag <= MAX_CONTRIBUTING_LAG) for r in early), (lag, early)
     assert not any(r["published"] for r in b.events("epoch") if r["time"] < caught_up["time"])
     assert not a.tracebacks_from_our_code() and not b.tracebacks_from_our_code()

@@ -182,7 +182,7 @@ def test_a_peer_catching_up_is_made_whole_at_the_epoch_it_asked_for():
             # the round at the start of the requested epoch made B whole (its first request, or a renewed one)
             assert requested >= repair_epoch(swarm_epoch, in_reach=True)
             assert requested <= caught_up_at[0] <= requested + 1, (requested, caught_up_at)
-            assert b.state_averager.holds_swarm_state.value
+            assert b.state_averager.state_lag.value == 0
         finally:
             stop.set()
             a.shutdown()

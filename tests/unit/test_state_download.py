@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import multiprocessing as mp
 import time
 
 import hivemind
@@ -16,9 +17,12 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from torch.optim.lr_scheduler import LambdaLR
 
 from collab.averagers import (
+    MAX_CONTRIBUTING_LAG,
+    FiniteAverager,
     FiniteGradientAverager,
     FiniteTrainingStateAverager,
     bring_scheduler_to_epoch,
+    catching_up_weight,
     choose_donor,
     honest_progress_epoch,
     state_refusal,
@@ -233,7 +237,7 @@ def test_peers_whose_parameters_drifted_apart_agree_after_one_parameter_round():
 
 
 def test_a_catching_up_peer_takes_the_groups_parameters_and_adds_none_of_its_own():
-    """A peer whose state is old (``holds_swarm_state`` False, as ``BoundedLoadOptimizer`` sets it) averages with
+    """A peer whose state is old (``state_lag`` above 0, as ``BoundedLoadOptimizer`` sets it) averages with
     weight 0: it ends with the other's parameters (1.0) and the other keeps its own; with every peer of the group
     catching up no value is averaged (0/0), each keeps its own and stays behind."""
     options = dict(target_group_size=2, min_matchmaking_time=1.0)
@@ -241,22 +245,69 @@ def test_a_catching_up_peer_takes_the_groups_parameters_and_adds_none_of_its_own
         current = make_averager(FiniteTrainingStateAverager, first, 1.0, **options)
         behind = make_averager(FiniteTrainingStateAverager, second, 0.0, **options)
         try:
-            behind.holds_swarm_state.value = False
+            behind.state_lag.value = 3
             average_parameters_once([current, behind])
             for averager in (current, behind):
                 for param in averager.main_parameters:
                     assert torch.equal(param, torch.ones_like(param)), "not the current peer's parameters"
-            assert behind.holds_swarm_state.value and current.holds_swarm_state.value
+            assert behind.state_lag.value == current.state_lag.value == 0
 
             with torch.no_grad():
                 for param in behind.main_parameters:
                     param.fill_(0.0)
-            current.holds_swarm_state.value = behind.holds_swarm_state.value = False
+            current.state_lag.value = behind.state_lag.value = 1
             average_parameters_once([current, behind])
             for averager, fill in ((current, 1.0), (behind, 0.0)):
                 for param in averager.main_parameters:
                     assert torch.equal(param, torch.full_like(param, fill)), "a value of a peer catching up was used"
-                assert not averager.holds_swarm_state.value
+                assert averager.state_lag.value == 1
         finally:
             current.shutdown()
             behind.shutdown()
+
+
+def test_a_catching_up_peer_weighs_only_pseudo_gradients_from_a_state_a_few_rounds_old():
+    assert catching_up_weight("pseudo-gradient", 512.0, 1) == 256.0
+    assert catching_up_weight("pseudo-gradient", 512.0, 3) == 128.0
+    assert catching_up_weight("pseudo-gradient", 500.0, MAX_CONTRIBUTING_LAG) == 100.0
+    assert catching_up_weight("pseudo-gradient", 512.0, MAX_CONTRIBUTING_LAG + 1) == 0.0
+    assert catching_up_weight("gradient", 512.0, 1) == 0.0
+    assert catching_up_weight("parameter", 512.0, 1) == 0.0
+
+
+class PseudoGradientRounds(FiniteAverager):
+    """Averages its tensors as a low-communication peer's pseudo-gradients, ``state_lag`` epochs behind."""
+
+    round_kind = "pseudo-gradient"
+
+    def __init__(self, *args, state_lag, **kwargs):
+        self.state_lag = state_lag  # before the averager's process starts
+        super().__init__(*args, **kwargs)
+
+
+def test_a_catching_up_peer_adds_its_pseudo_gradients_weighted_down_by_its_lag():
+    """Two real averagers, the same samples each: a peer 3 epochs behind adds its pseudo-gradient (0.0) with a quarter
+    of its weight to a full member's (1.0), so both hold 1 / 1.25 = 0.8; past ``MAX_CONTRIBUTING_LAG`` it adds nothing
+    and both hold 1.0."""
+    options = dict(prefix="catching_up_rounds", target_group_size=2, min_matchmaking_time=1.0, start=True)
+    with two_dhts() as (first, second):
+        lags = [mp.Value("i", 0), mp.Value("i", 3)]
+        pair = [
+            PseudoGradientRounds([torch.zeros(64)], dht=dht, state_lag=lag, **options)
+            for dht, lag in zip((first, second), lags, strict=True)
+        ]
+        try:
+            for behind, expected in ((3, 0.8), (MAX_CONTRIBUTING_LAG + 1, 1.0)):
+                lags[1].value = behind
+                for averager, value in zip(pair, (1.0, 0.0), strict=True):
+                    with averager.get_tensors() as tensors:
+                        tensors[0].fill_(value)
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    rounds = [pool.submit(averager.step, weight=512.0, timeout=30) for averager in pair]
+                    assert all(done.result(timeout=60) for done in rounds), "the round did not complete"
+                for averager in pair:
+                    with averager.get_tensors() as tensors:
+                        assert torch.allclose(tensors[0], torch.full_like(tensors[0], expected)), (behind, tensors[0])
+        finally:
+            for averager in pair:
+                averager.shutdown()
