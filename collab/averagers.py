@@ -208,6 +208,8 @@ class FiniteAveragingMixin:
         # The sender timeout this averager's process sized after its last round (0: none yet), shared with the
         # process that calls step(), which gathers it with each round (``current_part_timeout``).
         self._sized_part_timeout = mp.Value(ctypes.c_double, 0.0)  # before hivemind starts the averager's process
+        # values of this peer that its last completed round averaged with no one, set in the averager's process
+        self.kept_local_last_round = mp.Value(ctypes.c_long, 0)
         # (group ID, its peers, time.monotonic() at its start) of the last round, set in the averager's process
         self._last_group: tuple[bytes, tuple[PeerID, ...], float] | None = None
         super().__init__(*args, **kwargs)
@@ -311,6 +313,7 @@ class FiniteAveragingMixin:
                     raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self._size_part_timeout(runner)
+        self.kept_local_last_round.value = runner.values_kept_local()
         made_whole = evened_out(runner.group_size, runner.values_kept_local())
         if lag and self.round_kind == "parameter" and made_whole:
             self.state_lag.value = 0

@@ -331,23 +331,46 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         self._maybe_request_repair()
         return super().step(batch_size=batch_size, grad_scaler=grad_scaler)
 
+    # Set by the thread that ends a round (hivemind's delayed step) when the round left this peer's anchor apart from
+    # the swarm's; the next step asks for a parameter round, as a newcomer catching up does.
+    left_apart = False
+
+    def _load_local_gradients_into_optimizer(self):
+        """hivemind's fallback to this peer's own pseudo-gradient when its round failed or found no groupmate. With
+        other peers in the swarm its anchor then differs from theirs, for up to ``average_state_every`` rounds."""
+        if self.tracker.global_progress.num_peers > 1:
+            self.left_apart = True
+        super()._load_local_gradients_into_optimizer()
+
+    def _load_averaged_gradients_into_optimizer_(self):
+        """hivemind's, noting a round that averaged some values with no one (a groupmate dropped out of it): in those
+        values this peer's anchor now differs from the swarm's."""
+        if self.grad_averager.kept_local_last_round.value > 0:
+            self.left_apart = True
+        super()._load_averaged_gradients_into_optimizer_()
+
     def _maybe_request_repair(self) -> None:
-        """While catching up, ask for the parameter round that makes this peer whole (collab/repairs.py): once the
-        tracker has read the swarm's progress since the download (it times the request), and again once a requested
-        round has passed without making it whole (no group formed, or part of it was kept local)."""
-        if self.repairs is None or self.catching_up_since is None:
+        """Ask for a parameter round (collab/repairs.py) while catching up, to be made whole, or after a round left
+        this peer apart (``left_apart``): once the tracker has read the swarm's progress since the download or the
+        round (it times the request), and, while catching up, again once a requested round has passed without making
+        it whole (no group formed, or part of it was kept local)."""
+        catching_up = self.catching_up_since is not None
+        if self.repairs is None or not (catching_up or self.left_apart):
             return
         averager = self.state_averager
-        if averager.averaging_in_progress or not averager.state_lag.value:
+        if averager.averaging_in_progress or (catching_up and not averager.state_lag.value):
             return  # a round still running, or one that made it whole (the next step ends catching up)
         requested, now = self.repairs.requested, get_dht_time()
         if requested is not None and requested >= self.local_epoch:
+            self.left_apart = False  # the requested round, still to come, repairs that too
             return  # its round has not ended: it begins with the requested epoch
         if self.tracker.global_progress.next_fetch_time <= now:
             return  # the swarm's progress is overdue for a read (as after a download): its estimate would be stale
         seconds_left = self.tracker.estimated_next_update_time - now
         swarm_epoch = max(self.local_epoch, self.tracker.global_epoch)
-        self.repairs.request(swarm_epoch, next_epoch_in_reach(seconds_left, self.matchmaking_time))
+        reason = "catching_up" if catching_up else "left_apart"
+        self.repairs.request(swarm_epoch, next_epoch_in_reach(seconds_left, self.matchmaking_time), reason)
+        self.left_apart = False
 
     def load_state_from_peers(self, **kwargs):
         super().load_state_from_peers(**kwargs)

@@ -75,8 +75,10 @@ class RepairRequests:
         self.known: frozenset[int] = frozenset()
         self._reading = None
 
-    def request(self, swarm_epoch: int, in_reach: bool = False) -> int:
-        """Ask for a parameter round at ``repair_epoch(swarm_epoch, in_reach)``; returns that epoch."""
+    def request(self, swarm_epoch: int, in_reach: bool = False, reason: str = "catching_up") -> int:
+        """Ask for a parameter round at ``repair_epoch(swarm_epoch, in_reach)``; returns that epoch. ``reason``:
+        ``catching_up`` (a newcomer's old state) or ``left_apart`` (a round this peer missed, or one that averaged some
+        of its values with no one)."""
         epoch = repair_epoch(swarm_epoch, in_reach)
         self.requested = epoch
         self.dht.store(
@@ -86,8 +88,8 @@ class RepairRequests:
             subkey=self.subkey,
             return_future=True,
         )
-        logger.info("Asked the swarm for a parameter round at epoch %d (catching up at %d)", epoch, swarm_epoch)
-        events.emit("repair_requested", epoch=epoch, global_epoch=swarm_epoch)
+        logger.info("Asked the swarm for a parameter round at epoch %d (%s at %d)", epoch, reason, swarm_epoch)
+        events.emit("repair_requested", epoch=epoch, global_epoch=swarm_epoch, reason=reason)
         return epoch
 
     def refresh(self) -> None:

@@ -91,7 +91,7 @@ LOCAL_STEPS = 2
 ROUND_DEADLINE_S = 120
 
 
-def lowcomm_peer(dht, prefix: str):
+def lowcomm_peer(dht, prefix: str, averaging_timeout: float = 20.0):
     torch.manual_seed(0)  # both peers start from one model, as after a download
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
     optimizer = build_optimizer(
@@ -104,7 +104,7 @@ def lowcomm_peer(dht, prefix: str):
             local_steps=LOCAL_STEPS,
             matchmaking_time=1.0,
             average_state_every=1000,
-            averaging_timeout=20.0,
+            averaging_timeout=averaging_timeout,
         ),
         AveragerArguments(),
         ProgressTrackerArguments(),
@@ -183,6 +183,58 @@ def test_a_peer_catching_up_is_made_whole_at_the_epoch_it_asked_for():
             assert requested >= repair_epoch(swarm_epoch, in_reach=True)
             assert requested <= caught_up_at[0] <= requested + 1, (requested, caught_up_at)
             assert b.state_averager.state_lag.value == 0
+        finally:
+            stop.set()
+            a.shutdown()
+            b.shutdown()
+
+
+def anchors(optimizer) -> list[torch.Tensor]:
+    return [anchor.detach().clone() for anchor in optimizer.state_averager._anchors()]
+
+
+def largest_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(first, second, strict=True))
+
+
+def train_in_background(pairs, done, stop: threading.Event, errors: list) -> list[threading.Thread]:
+    threads = [threading.Thread(target=train_until, args=(m, o, done, stop, errors)) for m, o in pairs]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_peer_whose_round_found_no_groupmate_asks_for_a_parameter_round_and_agrees_again():
+    """A and B train together to epoch 2; then A pauses, so B's next round finds no groupmate and B applies its own
+    pseudo-gradient: its anchor leaves A's. B asks for a parameter round (``left_apart``); once A trains again both run
+    one at that epoch though regular ones come every 1000, and their anchors agree again."""
+    prefix = f"leftapart{time.time_ns()}"
+    stop, errors = threading.Event(), []
+    with two_dhts() as (first, second):
+        (model_a, a), (model_b, b) = (lowcomm_peer(dht, prefix, averaging_timeout=5.0) for dht in (first, second))
+        try:
+            for model, optimizer in ((model_a, a), (model_b, b)):  # a first step publishes each one's progress
+                train_until(model, optimizer, has_samples(optimizer), stop, errors)
+            wait_until(lambda: min(o.tracker.global_progress.num_peers for o in (a, b)) >= 2, 60, "the peers' records")
+            pairs = ((model_a, a), (model_b, b))
+            for thread in train_in_background(pairs, lambda: min(a.local_epoch, b.local_epoch) >= 2, stop, errors):
+                thread.join(ROUND_DEADLINE_S)
+            assert not errors and a.local_epoch >= 2 and b.local_epoch >= 2, errors
+            assert b.repairs.requested is None
+
+            # A pauses (its record stays fresh): B's round finds no groupmate, and B asks for a parameter round
+            (alone,) = train_in_background([(model_b, b)], lambda: b.repairs.requested is not None, stop, errors)
+            alone.join(ROUND_DEADLINE_S)
+            assert not errors and b.repairs.requested is not None, errors
+            requested, apart = b.repairs.requested, largest_difference(anchors(a), anchors(b))
+            assert apart > 1e-3, apart  # B's own outer step moved its anchor away from A's
+
+            pairs_past = lambda: min(a.local_epoch, b.local_epoch) > requested + 1  # noqa: E731
+            for thread in train_in_background(((model_a, a), (model_b, b)), pairs_past, stop, errors):
+                thread.join(ROUND_DEADLINE_S)
+            assert not errors and pairs_past(), (errors, a.local_epoch, b.local_epoch, requested)
+            together = largest_difference(anchors(a), anchors(b))
+            assert together < apart / 20, (together, apart)
         finally:
             stop.set()
             a.shutdown()
