@@ -436,9 +436,15 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
 
 def render(header: dict, figures: dict, summary: str) -> str:
     """The whole report as Markdown."""
+    # make bench runs its scenario tests first; python -m bench times only itself
+    ran = (
+        "`python -m bench`, the figures of `make bench` (after its scenario tests, not timed here),"
+        if header["command"] == "make bench"
+        else f"`{header['command']}`"
+    )
     parts = [
         "# Benchmarks: how close collaborative training gets to the physical limit",
-        f"Run of {header['date']}: `{header['command']}` took {header['wall_min']:.1f} min on {header['machine']}. "
+        f"Run of {header['date']}: {ran} took {header['wall_min']:.1f} min on {header['machine']}. "
         "Absolute samples/s and seconds depend on the machine and its load; the ratios compare sides measured back "
         "to back. This file holds one run's tables and is rewritten by each run; what runs found and what was tried "
         "is in `docs/benchmarks/`, one dated file per measurement.",
