@@ -313,8 +313,8 @@ class FiniteAveragingMixin:
                     raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self._size_part_timeout(runner)
-        self.kept_local_last_round.value = runner.values_kept_local()
-        made_whole = evened_out(runner.group_size, runner.values_kept_local())
+        kept_local = self.kept_local_last_round.value = runner.values_kept_local()
+        made_whole = evened_out(runner.group_size, kept_local)
         if lag and self.round_kind == "parameter" and made_whole:
             self.state_lag.value = 0
 

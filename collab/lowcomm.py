@@ -340,6 +340,9 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         other peers in the swarm its anchor then differs from theirs, for up to ``average_state_every`` rounds."""
         if self.tracker.global_progress.num_peers > 1:
             self.left_apart = True
+        # hivemind loads the fallback through _load_averaged_gradients_into_optimizer_, which must not read the count
+        # of an earlier round whose average this one did not use
+        self.grad_averager.kept_local_last_round.value = 0
         super()._load_local_gradients_into_optimizer()
 
     def _load_averaged_gradients_into_optimizer_(self):
