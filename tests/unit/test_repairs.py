@@ -156,7 +156,9 @@ def test_a_peer_catching_up_is_made_whole_at_the_epoch_it_asked_for():
 
             swarm_epoch = max(a.local_epoch, b.local_epoch)
             b._begin_catching_up(state_epoch=swarm_epoch - 2, swarm_epoch=swarm_epoch)
-            assert b.catching_up_since is not None and b.repairs.requested is None  # asked for at its next step
+            # B asks at its next step, unless a warm-up round cancelled by the next left it apart and a request for an
+            # epoch still to come stands: that round makes it whole too (the assertions below hold for either)
+            assert b.catching_up_since is not None
 
             caught_up_at = []
 
