@@ -233,19 +233,23 @@ def fill(averager: FiniteAverager, value: float) -> None:
         tensor.fill_(value)
 
 
+def averaged_share(averager: FiniteAverager) -> float:
+    """The share of this averager's values that the round left at the mean of 0 and 2."""
+    with averager.get_tensors() as (tensor,):
+        return float((tensor == 1.0).float().mean())
+
+
 def averaged_completely(averager: FiniteAverager) -> bool:
     """Whether the round left this averager with the mean of 0 and 2 in every value."""
-    with averager.get_tensors() as (tensor,):
-        return bool(torch.all(tensor == 1.0))
+    return averaged_share(averager) == 1.0
 
 
 def round_outcome(averager: FiniteAverager, control) -> str:
     """``complete`` when the round left ``averager`` with the mean in every value; else what a failure report needs:
     the share of values averaged, the values its round kept local and how its step ended."""
-    if averaged_completely(averager):
+    averaged = averaged_share(averager)
+    if averaged == 1.0:
         return "complete"
-    with averager.get_tensors() as (tensor,):
-        averaged = float((tensor == 1.0).float().mean())
     try:
         ended = f"returned {control.result(timeout=0)!r}"
     except BaseException as error:  # the step's own failure, whatever its class
