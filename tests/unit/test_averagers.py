@@ -228,6 +228,12 @@ def test_replies_a_sender_will_never_get_are_owed_no_more_and_a_silent_round_rep
     assert asyncio.run(stuck_stream()) == ([], [0])
 
 
+# Two averagers that must form their group: a follower whose leader answers later than request_timeout gives up
+# while the leader counts it, so both lose the round (hivemind's matchmaking); 0.5 s was short of a loaded CI
+# machine's stalls. hivemind wants request_timeout under min_matchmaking_time.
+PAIR_MATCHMAKING = dict(target_group_size=2, min_matchmaking_time=3.0, request_timeout=2.0)
+
+
 def fill(averager: FiniteAverager, value: float) -> None:
     with averager.get_tensors() as (tensor,):
         tensor.fill_(value)
@@ -264,9 +270,7 @@ def test_a_groupmate_starting_later_than_the_part_timeout_is_averaged_with_once_
     every round). Each round that dropped a groupmate doubles the part timeouts, so by the third round they outlast
     B's lateness and the round averages every value."""
     late, configured = 2.5, 1.0
-    options = dict(
-        prefix="late_starts", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True
-    )
+    options = dict(prefix="late_starts", **PAIR_MATCHMAKING, start=True)
     with entry_point_patches_applied(), two_dhts() as dhts:
         pair = [FiniteAverager([torch.zeros(1000)], dht=dht, next_chunk_timeout=configured, **options) for dht in dhts]
         try:
@@ -302,9 +306,7 @@ def test_a_round_waits_as_long_as_the_groupmate_that_asks_most(tmp_path):
     already averages every value. B's timeout is long because a loaded machine stalls processes for seconds: with 6 s
     a CI run once saw A keep all its values ("received 0.0% results") while B, their one reducer, averaged them."""
     late, patient = 2.5, 20.0
-    options = dict(
-        prefix="group_timeout", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True
-    )
+    options = dict(prefix="group_timeout", **PAIR_MATCHMAKING, start=True)
     with entry_point_patches_applied(), two_dhts() as dhts:
         pair = [
             FiniteAverager([torch.zeros(1000)], dht=dht, next_chunk_timeout=seconds, **options)
@@ -336,7 +338,7 @@ def test_a_departing_peer_hears_from_the_groupmates_of_its_last_round_and_never_
     """``wait_for_groupmates`` asks each groupmate of the last round over ``rpc_round_over``, answered once that
     groupmate's round is over (here at once: both rounds ended). Before any round there is no one to ask; a groupmate
     that left cannot answer, and the question ends within its timeout instead of holding the departure."""
-    options = dict(prefix="departing", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, start=True)
+    options = dict(prefix="departing", **PAIR_MATCHMAKING, start=True)
     with entry_point_patches_applied(), two_dhts() as dhts:
         pair = [FiniteAverager([torch.zeros(1000)], dht=dht, next_chunk_timeout=5.0, **options) for dht in dhts]
         try:
