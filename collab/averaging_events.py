@@ -206,7 +206,7 @@ def served_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class OptimizerEventsMixin:
-    """Emits ``step_begun`` as a global step's gradient round begins, ``round_scheduled`` when a gradient round is
+    """Emits ``step_begun`` as a global step triggers its gradient round, ``round_scheduled`` when a gradient round is
     pre-scheduled, ``out_of_sync`` when the peer finds itself behind and ``state_loaded`` when a load of the state
     from peers moved it to a newer epoch; put it before ``hivemind.Optimizer``."""
 
@@ -222,10 +222,11 @@ class OptimizerEventsMixin:
         if self.scheduled_grads is not scheduled_before:
             events.emit("round_scheduled", epoch=self.local_epoch)
 
-    def _update_global_epoch(self, grad_scaler) -> None:
-        if self.use_gradient_averaging:
-            events.emit("step_begun", epoch=self.local_epoch)
-        super()._update_global_epoch(grad_scaler)
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        # at the trigger, not as the step is entered: hivemind first waits (seconds under load) for the tracker's lock
+        # and the previous step's delayed update, whose round must not read as this step's (bench.swarm's attribution)
+        events.emit("step_begun", epoch=self.local_epoch)
+        return super()._begin_averaging_gradients(grad_scaler)
 
     def load_state_from_peers(self, **kwargs) -> None:
         epoch_before, started = self.local_epoch, time.monotonic()

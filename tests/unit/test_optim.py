@@ -1,6 +1,7 @@
 """The optimizer definition: parameter groups, schedule, local batch size."""
 
 import threading
+import time
 
 import hivemind
 import pytest
@@ -16,6 +17,8 @@ from arguments import (
     ProgressTrackerArguments,
     TrainingArguments,
 )
+from collab import events
+from collab.events import read_events
 from collab.optim import (
     EIGHT_BIT_MIN_VALUES,
     SameLayoutLamb,
@@ -189,6 +192,46 @@ def test_a_departing_peer_does_not_wait_twice_for_a_hung_background_round():
         assert not shutdown.is_alive(), "hivemind's shutdown waited for the round finish_delayed_updates gave up on"
     finally:
         release.set()
+        dht.shutdown()
+
+
+def test_step_begun_is_written_when_the_round_is_triggered_not_before_the_previous_update_is_applied(tmp_path):
+    """hivemind enters a global step, then waits for the previous step's delayed update (its round and optimizer
+    step) before it triggers this step's gradient round: ``step_begun`` must come after that wait, or a round of the
+    previous step that ends during it reads as this step's (bench.swarm's attribution)."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    release = threading.Event()
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)
+    try:
+        optimizer = build_optimizer(
+            model,
+            dht,
+            PeerArguments(experiment_prefix="step_begun"),
+            OptimizerArguments(),
+            AveragerArguments(),
+            ProgressTrackerArguments(),
+            TrainingArguments(),
+        )
+        try:
+            averager = optimizer.state_averager
+            averager.pending_updates.add(averager.step_executor.submit(release.wait))  # the previous step's update
+            stepping = threading.Thread(target=optimizer._update_global_epoch, args=(None,), daemon=True)
+            stepping.start()
+            time.sleep(1.0)
+            assert read_events(path, "step_begun") == [], "step_begun written while the previous update was pending"
+            released_at = time.time()
+            release.set()
+            stepping.join(timeout=30)
+            assert not stepping.is_alive()
+            [begun] = read_events(path, "step_begun")
+            assert begun["epoch"] == 0 and begun["time"] >= round(released_at, 3) - 0.001
+        finally:
+            release.set()
+            optimizer.shutdown()
+    finally:
+        events.open_event_log(None)
         dht.shutdown()
 
 
