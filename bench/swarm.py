@@ -1,12 +1,13 @@
 """Churn at scale, measured: ``python -m bench.swarm [--quick]``; the last line is one JSON object.
 
-A swarm of real ``run_trainer.py`` peers (the default tiny model, one thread each, started through ``bench.probe``)
-in network namespaces on bench.procs' hub, each behind an access link of its own, the speeds a cycle of
-``LINK_RATES``. The monitor, in a namespace of its own, is the bootstrap every peer joins through
-(``--initial_peers``). One peer is ``SLOWDOWN`` times slower than the rest: after each optimizer step it sleeps twice
-as long as its forward and backward took (``python -m bench.swarm peer``; ``--gradient_accumulation_steps`` would
-make its steps coarser, not the peer slower). Once the swarm has formed, it runs ``--epochs`` global epochs while a
-seeded schedule (``churn_schedule``):
+A swarm of real ``run_trainer.py`` peers (the default tiny model, one thread each, started through
+``python -m bench.swarm peer``: bench.probe's stopwatch, and the training thread at ``TRAINING_NICENESS``, below the
+peers' DHT and averager processes as on a machine of its own) in network namespaces on bench.procs' hub, each
+behind an access link of its own, the speeds a cycle of ``LINK_RATES``. The monitor, in a namespace of its own, is
+the bootstrap every peer joins through (``--initial_peers``). One peer is ``SLOWDOWN`` times slower than the rest:
+after each optimizer step it sleeps twice as long as its forward and backward took (``--gradient_accumulation_steps``
+would make its steps coarser, not the peer slower). Once the swarm has formed, it runs ``--epochs`` global epochs
+while a seeded schedule (``churn_schedule``):
 
 - kills peers with SIGKILL at ``KILL_RATE`` of the peers per hour-equivalent, ``--hour_epochs`` global epochs (60 by
   default: one epoch stands for a minute of a real swarm), and restarts each ``RESTART_EPOCHS`` later with its own
@@ -44,6 +45,7 @@ import shutil
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -76,6 +78,10 @@ STATE_WIRE_FRACTION = 0.5
 # allowance covers what the bound leaves out, the process's start on a loaded CPU and the wait for a round.
 STARTUP_ALLOWANCE_S = 60.0
 GOALS = {"goodput": 0.95, "join_success": 0.995, "join_seconds_vs_bound": JOIN_GOAL, "stalls": 0}
+# The peers' training threads run at this niceness: the swarm's peers share a few cores, where their forward and
+# backward passes starved each other's DHT and averager processes (lookups of 20-35 s, rounds finding no group); on
+# a peer's own machine those have the CPU its training leaves (a GPU peer's is mostly idle).
+TRAINING_NICENESS = 10
 STALL_FACTOR = 2.0  # an epoch over this many times the median is a stall
 KINDS = ("restart", "kill", "leave", "newcomer")  # within one epoch: a peer back before another goes down
 POLL_S = 1.0
@@ -544,14 +550,11 @@ class Swarm:
             *("--bandwidth", f"{upload:g}"),
             *self.plan.trainer_flags,
         ]
-        if key == f"peer{self.plan.peers - 1}":
-            module, args = "bench.swarm", ["peer", steps, SLOWDOWN, *flags]
-        else:
-            module, args = "bench.probe", [steps, *flags]
+        slowdown = SLOWDOWN if key == f"peer{self.plan.peers - 1}" else 1.0
         run = PeerRun(name, kind, time.time(), download)
         process = Child(
-            module,
-            args,
+            "bench.swarm",
+            ["peer", steps, slowdown, *flags],
             self.log_dir / f"{name}.log",
             self.deadline - time.monotonic() + 120,
             env=ONE_THREAD,
@@ -752,12 +755,33 @@ def slow_down(factor: float) -> None:
     hivemind.Optimizer.step = step
 
 
+def lower_training_priority(niceness: int = TRAINING_NICENESS) -> None:
+    """From its first ``hivemind.Optimizer.step`` on, run the thread that trains at ``niceness`` (Linux nices each
+    thread): the DHT, averager and tracker processes and threads, started before it, keep theirs."""
+    import hivemind
+
+    original = hivemind.Optimizer.step
+    lowered: set[int] = set()
+
+    def step(self, *args, **kwargs):
+        thread = threading.get_native_id()
+        if thread not in lowered:
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
+            lowered.add(thread)
+        return original(self, *args, **kwargs)
+
+    hivemind.Optimizer.step = step
+
+
 def run_peer(argv: Sequence[str]) -> int:
-    """``python -m bench.swarm peer STEPS.jsonl FACTOR [trainer flags]``: bench.probe's peer, FACTOR times slower."""
+    """``python -m bench.swarm peer STEPS.jsonl FACTOR [trainer flags]``: bench.probe's peer, FACTOR times slower,
+    training at ``TRAINING_NICENESS``."""
     from bench.probe import instrument
 
     instrument(argv[0])
-    slow_down(float(argv[1]))
+    if float(argv[1]) != 1.0:
+        slow_down(float(argv[1]))
+    lower_training_priority()
     import run_trainer
 
     return run_trainer.main(list(argv[2:]))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import threading
 
 import pytest
 
@@ -390,3 +392,23 @@ def test_a_round_contributes_where_it_carried_this_peer_s_samples_in_either_mode
     assert not own_round({**averaged, "kind": "parameters"})
     assert not own_round({**averaged, "kind": "pseudo-gradients", "weight": 0})  # catching up
     assert not own_round({**averaged, "kind": "pseudo-gradients", "group_size": 1})  # alone
+
+
+def test_a_peer_trains_below_the_priority_of_what_it_started_before(monkeypatch):
+    import hivemind
+
+    seen = {}
+    monkeypatch.setattr(hivemind.Optimizer, "step", lambda self, *args, **kwargs: "stepped")
+    swarm.lower_training_priority(swarm.TRAINING_NICENESS)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def train():
+        seen["before"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen["result"] = hivemind.Optimizer.step(None, batch_size=16)
+        seen["after"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    trainer = threading.Thread(target=train)  # a thread of its own: a lowered priority cannot be raised back
+    trainer.start()
+    trainer.join(timeout=10)
+    assert seen == {"before": before, "result": "stepped", "after": swarm.TRAINING_NICENESS}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the others keep theirs
