@@ -34,6 +34,19 @@ from collab.optim import (
 from trainer.model import tiny_bert_config
 
 
+def optimizer_with_defaults(model, dht: hivemind.DHT, prefix: str):
+    """The trainer's optimizer with every flag at its default, under experiment ``prefix``."""
+    return build_optimizer(
+        model,
+        dht,
+        PeerArguments(experiment_prefix=prefix),
+        OptimizerArguments(),
+        AveragerArguments(),
+        ProgressTrackerArguments(),
+        TrainingArguments(),
+    )
+
+
 def group_names(model, groups):
     names = {id(p): n for n, p in model.named_parameters()}
     return [{names[id(p)] for p in group["params"]} for group in groups]
@@ -143,15 +156,7 @@ def test_hivemind_optimizer_starts_lamb_from_the_initial_weights():
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        optimizer = build_optimizer(
-            model,
-            dht,
-            PeerArguments(experiment_prefix="fresh_state"),
-            OptimizerArguments(),
-            AveragerArguments(),
-            ProgressTrackerArguments(),
-            TrainingArguments(),
-        )
+        optimizer = optimizer_with_defaults(model, dht, "fresh_state")
         try:
             # the copies Lamb steps (offloaded), which hivemind writes back into the model after each global step
             names = {id(param): name for name, param in model.named_parameters()}
@@ -173,15 +178,7 @@ def test_a_departing_peer_does_not_wait_twice_for_a_hung_background_round():
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     release = threading.Event()
     try:
-        optimizer = build_optimizer(
-            model,
-            dht,
-            PeerArguments(experiment_prefix="hung_round"),
-            OptimizerArguments(),
-            AveragerArguments(),
-            ProgressTrackerArguments(),
-            TrainingArguments(),
-        )
+        optimizer = optimizer_with_defaults(model, dht, "hung_round")
         averager = optimizer.state_averager
         # a background update stuck in its averaging round, as when the partner left mid-round
         averager.pending_updates.add(averager.step_executor.submit(release.wait))
@@ -205,15 +202,7 @@ def test_step_begun_is_written_when_the_round_is_triggered_not_before_the_previo
     path = tmp_path / "events.jsonl"
     events.open_event_log(path)
     try:
-        optimizer = build_optimizer(
-            model,
-            dht,
-            PeerArguments(experiment_prefix="step_begun"),
-            OptimizerArguments(),
-            AveragerArguments(),
-            ProgressTrackerArguments(),
-            TrainingArguments(),
-        )
+        optimizer = optimizer_with_defaults(model, dht, "step_begun")
         try:
             averager = optimizer.state_averager
             averager.pending_updates.add(averager.step_executor.submit(release.wait))  # the previous step's update
