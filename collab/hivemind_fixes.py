@@ -121,7 +121,9 @@ async def rpc_aggregate_part_waiting_for_group(
     self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
 ) -> AsyncIterator[averaging_pb2.AveragingData]:
     """hivemind's ``rpc_aggregate_part``, except that a part for a group this peer has not registered yet waits for
-    that group for up to the sender timeout instead of being refused with BAD_GROUP_ID."""
+    that group for up to the sender timeout instead of being refused with BAD_GROUP_ID, and waits for the group's
+    runner through a shield: hivemind's bare ``await`` cancelled the group's future when the sender gave up, and this
+    peer's own round then failed ("Unable to run All-Reduce: invalid state")."""
     request = await anext(stream)
     timeout = self.allreduce_kwargs.get("sender_timeout") or self.matchmaking_kwargs["request_timeout"]
     await wait_for_group(self, request.group_id, timeout)
@@ -129,7 +131,7 @@ async def rpc_aggregate_part_waiting_for_group(
     if future is None:
         yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
         return
-    group = await future
+    group = await asyncio.shield(future)
     async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
         yield message
 

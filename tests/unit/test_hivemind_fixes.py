@@ -23,6 +23,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
@@ -619,3 +620,36 @@ def test_a_round_whose_all_reduce_failed_and_went_back_to_matchmaking_is_still_g
     assert watchdog.check() == [control] and control.cancelled()
     assert watchdog.check() == [], "a round given up is forgotten"
     assert control.cancel() is False  # as Optimizer.shutdown cancels a round still marked as looking: no error
+
+
+@pytest.mark.parametrize(
+    ("averager_class", "group_cancelled"),
+    [(DecentralizedAverager, True), (FixedDecentralizedAverager, False)],
+    ids=["plain-hivemind", "fixed"],
+)
+def test_a_sender_that_gives_up_waiting_for_the_runner_leaves_this_peers_round_whole(averager_class, group_cancelled):
+    """A groupmate's part can come before this peer's round has its runner. When that sender gives up (its request is
+    cancelled), plain hivemind's handler cancels the group's future with it, and this peer's own round then fails as
+    it sets its runner (InvalidStateError, "Unable to run All-Reduce: invalid state", seen in a CI run)."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        averager = averager_class([torch.zeros(10)], dht=dht, prefix=f"gave_up_{averager_class.__name__}", start=False)
+
+        async def sender_gives_up() -> asyncio.Future:
+            group_id = b"registered, no runner yet"
+            future = averager._running_groups[group_id] = asyncio.get_running_loop().create_future()
+
+            async def parts():
+                yield averaging_pb2.AveragingData(group_id=group_id)
+                await asyncio.Event().wait()  # the sender's next part never comes
+
+            handler = asyncio.ensure_future(anext(averager.rpc_aggregate_part(parts(), None)))
+            await asyncio.sleep(0.2)  # the handler now waits for the group's runner
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+            return future
+
+        assert asyncio.run(sender_gives_up()).cancelled() is group_cancelled
+    finally:
+        dht.shutdown()
