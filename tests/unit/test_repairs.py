@@ -206,32 +206,45 @@ def train_in_background(pairs, done, stop: threading.Event, errors: list) -> lis
     return threads
 
 
+# Tries at a clean start: in the joint epochs (two steps each) a round is sometimes cancelled by the next one, which
+# leaves B apart, and asking, before A pauses (seen once, in a CI run of 2026-11-29).
+CLEAN_START_TRIES = 3
+
+
+def pause_after_joint_epochs(first, second) -> bool:
+    """One try of the test below on the DHTs ``first`` and ``second``; False where B was apart from A already after
+    the joint epochs (not a clean start), True once its assertions held."""
+    prefix, stop, errors = f"leftapart{time.time_ns()}", threading.Event(), []
+    (model_a, a), (model_b, b) = (lowcomm_peer(dht, prefix, averaging_timeout=5.0) for dht in (first, second))
+    try:
+        for model, optimizer in ((model_a, a), (model_b, b)):  # a first step publishes each one's progress
+            train_until(model, optimizer, has_samples(optimizer), stop, errors)
+        wait_until(lambda: min(o.tracker.global_progress.num_peers for o in (a, b)) >= 2, 60, "the peers' records")
+        pairs = ((model_a, a), (model_b, b))
+        for thread in train_in_background(pairs, lambda: min(a.local_epoch, b.local_epoch) >= 2, stop, errors):
+            thread.join(ROUND_DEADLINE_S)
+        assert not errors and a.local_epoch >= 2 and b.local_epoch >= 2, errors
+        if b.repairs.requested is not None:
+            return False
+
+        # A pauses (its record stays fresh): B's round finds no groupmate, and B asks for a parameter round
+        (alone,) = train_in_background([(model_b, b)], lambda: b.repairs.requested is not None, stop, errors)
+        alone.join(ROUND_DEADLINE_S)
+        assert not errors and b.repairs.requested is not None, errors
+        apart = largest_difference(anchors(a), anchors(b))
+        assert apart > 1e-3, apart  # B's own outer step moved its anchor away from A's
+        return True
+    finally:
+        stop.set()
+        a.shutdown()
+        b.shutdown()
+
+
 def test_a_peer_whose_round_found_no_groupmate_asks_for_a_parameter_round():
     """A and B train together to epoch 2; then A pauses, so B's next round finds no groupmate and B applies its own
     pseudo-gradient: its anchor leaves A's, and B asks for a parameter round (``left_apart``). That a requested round
     runs is the test above's; whether the anchors then agree is not asserted here: in epochs of two steps some later
     rounds are cancelled by the next one, which leaves them apart again (and asking again)."""
-    prefix = f"leftapart{time.time_ns()}"
-    stop, errors = threading.Event(), []
     with two_dhts() as (first, second):
-        (model_a, a), (model_b, b) = (lowcomm_peer(dht, prefix, averaging_timeout=5.0) for dht in (first, second))
-        try:
-            for model, optimizer in ((model_a, a), (model_b, b)):  # a first step publishes each one's progress
-                train_until(model, optimizer, has_samples(optimizer), stop, errors)
-            wait_until(lambda: min(o.tracker.global_progress.num_peers for o in (a, b)) >= 2, 60, "the peers' records")
-            pairs = ((model_a, a), (model_b, b))
-            for thread in train_in_background(pairs, lambda: min(a.local_epoch, b.local_epoch) >= 2, stop, errors):
-                thread.join(ROUND_DEADLINE_S)
-            assert not errors and a.local_epoch >= 2 and b.local_epoch >= 2, errors
-            assert b.repairs.requested is None
-
-            # A pauses (its record stays fresh): B's round finds no groupmate, and B asks for a parameter round
-            (alone,) = train_in_background([(model_b, b)], lambda: b.repairs.requested is not None, stop, errors)
-            alone.join(ROUND_DEADLINE_S)
-            assert not errors and b.repairs.requested is not None, errors
-            apart = largest_difference(anchors(a), anchors(b))
-            assert apart > 1e-3, apart  # B's own outer step moved its anchor away from A's
-        finally:
-            stop.set()
-            a.shutdown()
-            b.shutdown()
+        clean = any(pause_after_joint_epochs(first, second) for _ in range(CLEAN_START_TRIES))
+    assert clean, f"B was apart from A after the joint epochs in each of {CLEAN_START_TRIES} tries"
