@@ -365,7 +365,14 @@ class ProgressTrackerArguments:
     """How often a peer reads the collaboration's progress from the DHT, and publishes its own."""
 
     min_refresh_period: float = field(default=0.5, metadata={"help": "Shortest wait between progress reads (s)"})
-    max_refresh_period: float = field(default=10.0, metadata={"help": "Longest wait between progress reads (s)"})
+    max_refresh_period: float | None = field(
+        default=None,
+        metadata={
+            "help": "Longest wait between progress reads (s); reads come sooner as the next epoch nears. Unset: 10 "
+            "in the synchronous mode; in the low-communication mode 10 x --local_steps, at most half of "
+            "--metadata_expiration"
+        },
+    )
     default_refresh_period: float = field(
         default=3.0, metadata={"help": "Wait between progress reads when nothing is known yet (s)"}
     )
@@ -389,12 +396,13 @@ class ProgressTrackerArguments:
     )
 
     def __post_init__(self) -> None:
-        _require_positive(self, "min_refresh_period", "max_refresh_period", "default_refresh_period")
+        _require_positive(self, "min_refresh_period", "default_refresh_period")
         _require_positive(self, "metadata_expiration")
-        if self.progress_report_period is not None:
-            _require_positive(self, "progress_report_period")
+        for name in ("max_refresh_period", "progress_report_period"):
+            if getattr(self, name) is not None:
+                _require_positive(self, name)
         _require_non_negative(self, "expected_drift_peers", "expected_drift_rate")
-        if self.min_refresh_period > self.max_refresh_period:
+        if self.max_refresh_period is not None and self.min_refresh_period > self.max_refresh_period:
             _fail("min_refresh_period", f"must not exceed --max_refresh_period ({self.max_refresh_period})")
 
 

@@ -60,6 +60,7 @@ PARAMETER_ROUND_BYTES_PER_VALUE = 2.0
 PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.079}
 PARAMETER_TRAFFIC_SHARE = 0.25
 MAX_PARAMETER_ROUND_EVERY = 32
+MAX_REFRESH_PERIOD = 10.0  # seconds: the synchronous mode's longest wait between progress reads
 
 
 def parameter_round_every(explicit: int | None, local_steps: int, pseudo_grad_compression: str) -> int:
@@ -86,6 +87,20 @@ def progress_report_period(explicit: float | None, local_steps: int, metadata_ex
     if local_steps == 0:
         return PROGRESS_REPORT_PERIOD
     return min(PROGRESS_REPORT_PERIOD * local_steps, metadata_expiration / 2)
+
+
+def max_refresh_period(explicit: float | None, local_steps: int, metadata_expiration: float, shortest: float) -> float:
+    """The longest wait between two reads of the swarm's progress: ``explicit`` where given, else MAX_REFRESH_PERIOD
+    in the synchronous mode, else ``local_steps`` times it, at most half of ``metadata_expiration`` (every live
+    record is still read twice in its lifetime) and never under ``shortest`` (``--min_refresh_period``). hivemind
+    reads sooner as the next epoch nears (its estimate over the expected drift), so this cap only spaces the reads
+    far from a round: each read fetches every peer's signed record, the largest traffic between outer rounds
+    once publications are spaced (docs/benchmarks/2026-11-29-intel-xeon-2core-progress-reads.md)."""
+    if explicit is not None:
+        return explicit
+    if local_steps == 0:
+        return max(MAX_REFRESH_PERIOD, shortest)
+    return max(min(MAX_REFRESH_PERIOD * local_steps, metadata_expiration / 2), shortest)
 
 
 @torch.no_grad()

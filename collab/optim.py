@@ -40,7 +40,13 @@ from collab.averagers import (
     FiniteTrainingStateAverager,
 )
 from collab.compression import make_codec
-from collab.lowcomm import LowCommOptimizer, outer_optimizer_factory, parameter_round_every, progress_report_period
+from collab.lowcomm import (
+    LowCommOptimizer,
+    max_refresh_period,
+    outer_optimizer_factory,
+    parameter_round_every,
+    progress_report_period,
+)
 from collab.repairs import RepairRequests
 from collab.timeouts import FP16_BYTES, Timeouts, derive_timeouts, estimate_transfers
 
@@ -309,6 +315,12 @@ def build_optimizer(
         **dataclasses.asdict(tracker_args),
         "progress_report_period": progress_report_period(
             tracker_args.progress_report_period, optimizer_args.local_steps, tracker_args.metadata_expiration
+        ),
+        "max_refresh_period": max_refresh_period(
+            tracker_args.max_refresh_period,
+            optimizer_args.local_steps,
+            tracker_args.metadata_expiration,
+            tracker_args.min_refresh_period,
         ),
     }
     if tracker_private_key is not None:

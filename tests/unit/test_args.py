@@ -79,6 +79,8 @@ def test_config_round_trips_through_to_config(tmp_path):
         (["--experiment_prefix", "bad prefix!"], "--experiment_prefix"),
         (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
         (["--progress_report_period", "0"], "--progress_report_period"),
+        (["--max_refresh_period", "0"], "--max_refresh_period"),
+        (["--min_refresh_period", "20", "--max_refresh_period", "5"], "--min_refresh_period"),
         (["--targt_batch_size", "5"], "--targt_batch_size"),
     ],
 )

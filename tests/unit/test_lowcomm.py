@@ -20,6 +20,7 @@ from collab.errors import ConfigError
 from collab.lowcomm import (
     LowCommOptimizer,
     OuterNesterov,
+    max_refresh_period,
     outer_optimizer_factory,
     parameter_round_every,
     progress_report_period,
@@ -201,6 +202,7 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
         try:
             assert isinstance(optimizer, LowCommOptimizer) and optimizer.target_batch_size == 24
             assert optimizer.tracker.progress_report_period == 6.0  # 2 s x 3 local steps
+            assert optimizer.tracker.max_refresh_period == 30.0  # 10 s x 3 local steps
             # inner steps of 4 samples stand for steps of 8: the rate times sqrt(1/2)
             inner_rates = [group["initial_lr"] for group in optimizer.inner_optimizer.param_groups]
             assert inner_rates == pytest.approx([training_args.learning_rate * 0.5**0.5] * len(inner_rates))
@@ -248,6 +250,16 @@ def test_progress_is_published_local_steps_times_less_often_between_outer_rounds
     assert progress_report_period(None, 50, 60.0) == 30.0  # capped at half the record's lifetime
     assert progress_report_period(None, 50, 300.0) == 100.0
     assert progress_report_period(0.5, 50, 60.0) == 0.5  # the flag wins
+
+
+def test_progress_is_read_at_most_local_steps_times_less_often_far_from_an_outer_round():
+    assert max_refresh_period(None, 0, 60.0, 0.5) == 10.0  # the synchronous mode, as before
+    assert max_refresh_period(None, 0, 60.0, 12.0) == 12.0  # never under --min_refresh_period
+    assert max_refresh_period(None, 2, 60.0, 0.5) == 20.0  # 10 s x 2
+    assert max_refresh_period(None, 50, 60.0, 0.5) == 30.0  # every live record still read twice in its lifetime
+    assert max_refresh_period(None, 50, 300.0, 0.5) == 150.0
+    assert max_refresh_period(None, 50, 60.0, 40.0) == 40.0
+    assert max_refresh_period(5.0, 50, 60.0, 0.5) == 5.0  # the flag wins
 
 
 def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_between_pseudo_gradient_rounds():
