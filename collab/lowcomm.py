@@ -76,31 +76,33 @@ def parameter_round_every(explicit: int | None, local_steps: int, pseudo_grad_co
     return min(every, MAX_PARAMETER_ROUND_EVERY)
 
 
+def stretched_by_rounds(synchronous: float, local_steps: int, metadata_expiration: float) -> float:
+    """A period of the synchronous mode (seconds) in the mode of ``local_steps``: as is at 0, else ``local_steps``
+    times it (an outer round is that many synchronous epochs), at most half of ``metadata_expiration`` (every live
+    progress record is still published and read twice in its lifetime)."""
+    if local_steps == 0:
+        return synchronous
+    return min(synchronous * local_steps, metadata_expiration / 2)
+
+
 def progress_report_period(explicit: float | None, local_steps: int, metadata_expiration: float) -> float:
     """Seconds between two publications of a peer's progress within a global epoch: ``explicit`` where given, else
-    PROGRESS_REPORT_PERIOD in the synchronous mode, else ``local_steps`` times it (an outer round is that many
-    synchronous epochs, so records stay as many to a round), at most half of ``metadata_expiration`` (the reporter
-    stores that often anyway). Each publication is a signed DHT store, the largest traffic between rounds
-    (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md)."""
+    PROGRESS_REPORT_PERIOD ``stretched_by_rounds`` (records stay as many to a round). Each publication is a signed DHT
+    store, the largest traffic between rounds (docs/benchmarks/2026-11-28-amd-epyc-2core-wan-control-traffic.md)."""
     if explicit is not None:
         return explicit
-    if local_steps == 0:
-        return PROGRESS_REPORT_PERIOD
-    return min(PROGRESS_REPORT_PERIOD * local_steps, metadata_expiration / 2)
+    return stretched_by_rounds(PROGRESS_REPORT_PERIOD, local_steps, metadata_expiration)
 
 
 def max_refresh_period(explicit: float | None, local_steps: int, metadata_expiration: float, shortest: float) -> float:
     """The longest wait between two reads of the swarm's progress: ``explicit`` where given, else MAX_REFRESH_PERIOD
-    in the synchronous mode, else ``local_steps`` times it, at most half of ``metadata_expiration`` (every live
-    record is still read twice in its lifetime) and never under ``shortest`` (``--min_refresh_period``). hivemind
-    reads sooner as the next epoch nears (its estimate over the expected drift), so this cap only spaces the reads
-    far from a round: each read fetches every peer's signed record, the largest traffic between outer rounds
-    once publications are spaced (docs/benchmarks/2026-11-29-intel-xeon-2core-progress-reads.md)."""
+    ``stretched_by_rounds``, never under ``shortest`` (``--min_refresh_period``). hivemind reads sooner as the next
+    epoch nears (its estimate over the expected drift), so this cap only spaces the reads far from a round: each read
+    fetches every peer's signed record, the largest traffic between outer rounds once publications are spaced
+    (docs/benchmarks/2026-11-29-intel-xeon-2core-progress-reads.md)."""
     if explicit is not None:
         return explicit
-    if local_steps == 0:
-        return max(MAX_REFRESH_PERIOD, shortest)
-    return max(min(MAX_REFRESH_PERIOD * local_steps, metadata_expiration / 2), shortest)
+    return max(stretched_by_rounds(MAX_REFRESH_PERIOD, local_steps, metadata_expiration), shortest)
 
 
 @torch.no_grad()
