@@ -622,6 +622,18 @@ def test_a_round_whose_all_reduce_failed_and_went_back_to_matchmaking_is_still_g
     assert control.cancel() is False  # as Optimizer.shutdown cancels a round still marked as looking: no error
 
 
+class AwaitedFuture(asyncio.Future):
+    """A group's future that tells when something starts waiting for it (an ``await`` or a shield adds a callback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited = asyncio.Event()
+
+    def add_done_callback(self, fn, *, context=None) -> None:
+        self.awaited.set()
+        super().add_done_callback(fn, context=context)
+
+
 @pytest.mark.parametrize(
     ("averager_class", "group_cancelled"),
     [(DecentralizedAverager, True), (FixedDecentralizedAverager, False)],
@@ -637,14 +649,14 @@ def test_a_sender_that_gives_up_waiting_for_the_runner_leaves_this_peers_round_w
 
         async def sender_gives_up() -> asyncio.Future:
             group_id = b"registered, no runner yet"
-            future = averager._running_groups[group_id] = asyncio.get_running_loop().create_future()
+            future = averager._running_groups[group_id] = AwaitedFuture()
 
             async def parts():
                 yield averaging_pb2.AveragingData(group_id=group_id)
                 await asyncio.Event().wait()  # the sender's next part never comes
 
             handler = asyncio.ensure_future(anext(averager.rpc_aggregate_part(parts(), None)))
-            await asyncio.sleep(0.2)  # the handler now waits for the group's runner
+            await asyncio.wait_for(future.awaited.wait(), 10)  # the handler now waits for the group's runner
             handler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await handler
