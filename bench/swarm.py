@@ -13,7 +13,9 @@ while a seeded schedule (``churn_schedule``):
   default: one epoch stands for a minute of a real swarm), and restarts each ``RESTART_EPOCHS`` later with its own
   identity; never more than ``max_down`` at once, never the slow peer;
 - brings a newcomer (a new identity, nothing on disk, its link one of ``LINK_RATES``) every ``--newcomer_every``
-  epochs, which leaves cleanly (SIGTERM) when the second one after it arrives: at most two newcomers at once.
+  epochs, which leaves cleanly (SIGTERM) when the second one after it arrives: at most two newcomers at once; or,
+  with ``--joins_in_flight K`` (``--joins``: a run for join tries), keeps K newcomers live at all times, each leaving
+  once productive or ``GIVE_UP_AFTER_S`` after its fair chance (a failed join), another taking its place.
 
 The figures, from the peers' events (docs/EVENTS.md) and steps files (``bench.probe``), over the measured epochs:
 
@@ -59,7 +61,6 @@ HOUR_EPOCHS = 60  # global epochs in an hour-equivalent: one epoch stands for a 
 KILL_RATE = 0.3  # peers killed per hour-equivalent, as a fraction of the swarm (the issue's churn)
 RESTART_EPOCHS = 2  # a killed peer comes back this many epochs later, as a rebooted machine would
 NEWCOMERS_AT_ONCE = 2  # a newcomer leaves when the second one after it arrives
-NEWCOMER_SLOTS = NEWCOMERS_AT_ONCE + 1  # namespaces for newcomers: one more for a leaver still shutting down
 SLOWDOWN = 3.0  # the slow peer's step time over its compute time
 WARMUP_EPOCHS = 2  # epochs between the swarm's forming and the measured window, for the initial downloads to settle
 # Epochs the swarm runs on after the window before it is stopped: the window's last epoch ends for the slower peers
@@ -77,6 +78,10 @@ STATE_WIRE_FRACTION = 0.5
 # A join killed (or ended by the run) before JOIN_GOAL x its bound plus this allowance had no fair chance: the
 # allowance covers what the bound leaves out, the process's start on a loaded CPU and the wait for a round.
 STARTUP_ALLOWANCE_S = 60.0
+# With --joins_in_flight, a newcomer still not productive this long after its fair chance leaves: a failed join,
+# whose slot goes to the next newcomer.
+GIVE_UP_AFTER_S = 60.0
+MAX_JOINS_IN_FLIGHT = 8  # each newcomer is a namespace and a process start on the machine's few cores
 GOALS = {"goodput": 0.95, "join_success": 0.995, "join_seconds_vs_bound": JOIN_GOAL, "stalls": 0}
 # The peers' training threads run at this niceness: the swarm's peers share a few cores, where their forward and
 # backward passes starved each other's DHT and averager processes (lookups of 20-35 s, rounds finding no group); on
@@ -97,6 +102,9 @@ class Plan:
     newcomer_every: int = 4
     target_batch_size: int = 1024
     trainer_flags: tuple[str, ...] = ()  # given to every peer after the bench's own (``--trainer_flags``)
+    # 0: a newcomer every ``newcomer_every`` epochs (the churn schedule); K > 0: K newcomers at all times, each
+    # leaving once productive (``newcomer_verdict``), for many join tries in one run
+    joins_in_flight: int = 0
     max_minutes: float = 45.0  # the whole run, start-up included
     seed: int = 0
 
@@ -104,6 +112,9 @@ class Plan:
 FULL = Plan()
 # Kills at 30 % an hour-equivalent among 6 peers would be 0.45 in 15 epochs: a shorter hour-equivalent makes some.
 QUICK = Plan(peers=6, epochs=15, hour_epochs=10, newcomer_every=3, max_minutes=9.0)
+# Join tries, many a run: four newcomers at all times in a small swarm (a newcomer's start is the machine's CPU),
+# the kills and restarts of the full plan's rate.
+JOINS = Plan(peers=6, epochs=200, joins_in_flight=4, max_minutes=50.0)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -365,6 +376,13 @@ def fair_chance_s(bound_s: float) -> float:
     return JOIN_GOAL * bound_s + STARTUP_ALLOWANCE_S
 
 
+def fair_chance_ends(run: PeerRun, state_bytes: int | None) -> float:
+    """When (Unix time) the join's fair chance ends: ``fair_chance_s`` of its own state's download bound, or of the
+    swarm's ``state_bytes`` for a run that has not downloaded one."""
+    size = loaded_bytes(run) or state_bytes
+    return run.started + fair_chance_s(transfer_bound_s(size, run.download_mbit) if size else 0.0)
+
+
 def join_outcome(run: PeerRun, state_bytes: int | None) -> bool | None:
     """True when the join became productive, False when it did not though it had a fair chance (or exited by
     itself), None when the schedule or the run's end stopped it before (it counts neither way). ``state_bytes`` is
@@ -373,10 +391,32 @@ def join_outcome(run: PeerRun, state_bytes: int | None) -> bool | None:
         return True
     if run.ended_by == "exit":
         return False
-    size = loaded_bytes(run) or state_bytes
-    bound = transfer_bound_s(size, run.download_mbit) if size else 0.0
-    lived = (run.ended if run.ended is not None else math.inf) - run.started
-    return None if lived < fair_chance_s(bound) else False
+    ended = run.ended if run.ended is not None else math.inf
+    return None if ended < fair_chance_ends(run, state_bytes) else False
+
+
+def newcomer_verdict(run: PeerRun, state_bytes: int | None, now: float) -> str | None:
+    """What becomes of a live newcomer under ``--joins_in_flight``: "productive" once it had an own round (its join
+    succeeded: it leaves), "gave up" ``GIVE_UP_AFTER_S`` after its fair chance ended without one (its join failed:
+    it leaves), None meanwhile."""
+    if first_contribution(run) is not None:
+        return "productive"
+    return "gave up" if now >= fair_chance_ends(run, state_bytes) + GIVE_UP_AFTER_S else None
+
+
+def newcomer_slots(plan: Plan) -> int:
+    """Namespaces for newcomers: as many as are ever live at once, and one for a leaver still shutting down."""
+    return max(NEWCOMERS_AT_ONCE, plan.joins_in_flight) + 1
+
+
+def free_slot(slots: int, held: Sequence[int], leaving: Sequence[int]) -> int:
+    """The newcomer slot (0 to ``slots - 1``) for the next newcomer: none of the live newcomers' (``held``), without a
+    leaver if one is, else the slot of the earliest of ``leaving`` (the leavers' slots, in the order they left)."""
+    free = [slot for slot in range(slots) if slot not in held]
+    empty = [slot for slot in free if slot not in leaving]
+    if empty:
+        return empty[0]
+    return min(free, key=list(leaving).index)
 
 
 def join_seconds_vs_bound(run: PeerRun) -> float | None:
@@ -511,9 +551,9 @@ def split_key(key: str) -> tuple[str, int]:
 
 
 class Swarm:
-    """The peers of one run: regular peers ``peerR`` (namespace ``1 + R``), newcomers ``newN`` (namespace
-    ``1 + peers + N % NEWCOMER_SLOTS``), every process recorded as a PeerRun as it starts; ``tick`` keeps the books.
-    """
+    """The peers of one run: regular peers ``peerR`` (namespace ``1 + R``), newcomers ``newN`` (namespace ``1 + peers
+    + slot``, ``free_slot``), every process recorded as a PeerRun as it starts; ``tick`` keeps the books, and keeps
+    ``plan.joins_in_flight`` newcomers live once ``joining`` is set."""
 
     def __init__(self, network: HubNetwork, plan: Plan, log_dir: Path, prefix: str, join: list[str], deadline: float):
         self.network, self.plan, self.log_dir, self.prefix, self.join = network, plan, log_dir, prefix, join
@@ -526,11 +566,24 @@ class Swarm:
         self.files: dict[str, tuple[Path, Path]] = {}  # run name -> its events and steps files
         self.epoch = -1  # the swarm's global epoch: the highest any peer reached
         self.pending_restarts: dict[int, int] = {}  # rank -> global epoch: regular peers that exited by themselves
-        self.counts = {"kills": 0, "restarts": 0, "newcomers": 0, "leaves": 0, "exits": 0}
+        self.counts = {"kills": 0, "restarts": 0, "newcomers": 0, "leaves": 0, "exits": 0, "gave_up": 0}
+        self.slots: dict[str, int] = {}  # newcomer -> its slot
+        self.state_bytes: int | None = None  # the first downloaded state's size, for a newcomer's fair chance
+        self.joining = False  # keep plan.joins_in_flight newcomers live
+        self.progress: Callable[[str], None] = lambda line: None
 
     def namespace(self, key: str) -> int:
         kind, number = split_key(key)
-        return 1 + number if kind == "peer" else 1 + self.plan.peers + number % NEWCOMER_SLOTS
+        return 1 + number if kind == "peer" else 1 + self.plan.peers + self.slots[key]
+
+    def arrive(self, key: str) -> None:
+        """Start newcomer ``key`` in a ``free_slot``, killing a leaver still shutting down there."""
+        held = [self.slots[other] for other in self.live if other in self.slots]
+        leaving = [self.slots[other] for other, process in self.leaving.items() if process.running()]
+        self.slots[key] = free_slot(newcomer_slots(self.plan), held, leaving)
+        self.free_namespace(self.namespace(key))
+        self.start(key, "newcomer")
+        self.counts["newcomers"] += 1
 
     def start(self, key: str, kind: str) -> None:
         """Start peer ``key`` in its namespace as a new run of kind ``kind``."""
@@ -593,12 +646,26 @@ class Swarm:
             self.end(key, "leave")
             self.counts["leaves"] += 1
         elif action.kind == "newcomer":
-            self.free_namespace(self.namespace(key))
-            self.start(key, "newcomer")
-            self.counts["newcomers"] += 1
+            self.arrive(key)
         else:
             return
         progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: {action.kind} {key}")
+
+    def keep_joining(self) -> None:
+        """``plan.joins_in_flight``: newcomers with a verdict (``newcomer_verdict``) leave, and new ones arrive in
+        their place."""
+        for key in [key for key in self.live if key in self.slots]:
+            process, run, tail = self.live[key]
+            verdict = newcomer_verdict(dataclasses.replace(run, events=tail.records), self.state_bytes, time.time())
+            if verdict is not None:
+                self.end(key, "leave")
+                self.counts["leaves"] += 1
+                self.counts["gave_up"] += verdict == "gave up"
+                self.progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: {key} {verdict}, left")
+        while sum(key in self.slots for key in self.live) < self.plan.joins_in_flight:
+            key = f"new{self.counts['newcomers']}"
+            self.arrive(key)
+            self.progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: newcomer {key}")
 
     def free_namespace(self, index: int) -> None:
         """SIGKILL a leaver still shutting down in namespace ``index``: its slot is wanted."""
@@ -614,6 +681,8 @@ class Swarm:
             for record in tail.read():
                 if record["event"] == "epoch":
                     self.epoch = max(self.epoch, record["epoch"])
+                if record["event"] == "state_loaded" and self.state_bytes is None:
+                    self.state_bytes = record["bytes"]
             if not process.running():
                 self.end(key, "exit")
                 self.counts["exits"] += 1
@@ -625,6 +694,8 @@ class Swarm:
                 del self.pending_restarts[rank]
                 self.start(f"peer{rank}", "restart")
                 self.counts["restarts"] += 1
+        if self.joining:
+            self.keep_joining()
         if time.monotonic() > self.deadline:
             raise RunDeadline(f"the run's deadline passed at global epoch {self.epoch}")
 
@@ -665,11 +736,14 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
     schedule = churn_schedule(
         plan.seed, plan.peers, plan.epochs, plan.hour_epochs, plan.newcomer_every, spared=(slow,)
     )
+    if plan.joins_in_flight:  # newcomers come and go by keep_joining instead
+        schedule = [action for action in schedule if action.kind in ("kill", "restart")]
     began = time.monotonic()
     deadline = began + plan.max_minutes * 60
     prefix = f"swarm{int(time.time())}"
     first = last = truncated = None
-    with hub_network(1 + plan.peers + NEWCOMER_SLOTS, FAST_MBIT, FAST_MBIT, prefix="swarm", subnet="10.80.0") as net:
+    namespaces = 1 + plan.peers + newcomer_slots(plan)
+    with hub_network(namespaces, FAST_MBIT, FAST_MBIT, prefix="swarm", subnet="10.80.0") as net:
         with children() as started:
             monitor = Child(
                 "run_training_monitor",
@@ -686,6 +760,7 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
             started.append(monitor)
             swarm = Swarm(net, plan, log_dir, prefix, monitor.join_flags(180), deadline)
             swarm.processes = started  # stopped when the block ends, however it ends
+            swarm.progress = progress
             try:
                 swarm.start("peer0", "initial")
                 swarm.wait(lambda: swarm.has("peer0", "started"), 300, "the first peer to start training")
@@ -699,11 +774,14 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 first = max(swarm.epoch, 0) + WARMUP_EPOCHS  # -1: no global step yet
                 progress(f"the swarm formed at epoch {swarm.epoch}, links shaped; measuring from epoch {first}")
                 swarm.wait(lambda: swarm.epoch >= first, 600, f"global epoch {first}")
+                swarm.joining = plan.joins_in_flight > 0
                 for action in schedule:
                     target = first + action.epoch
                     swarm.wait(lambda target=target: swarm.epoch >= target, 600, f"global epoch {target}")
                     swarm.do(action, progress)
                 last = first + plan.epochs
+                swarm.wait(lambda: swarm.epoch >= last, 600, f"global epoch {last}")
+                swarm.joining = False  # a join begun now would end with the run, before its fair chance
                 swarm.wait(lambda: swarm.epoch >= last + SETTLE_EPOCHS, 600, f"global epoch {last + SETTLE_EPOCHS}")
             except (RunDeadline, TimeoutError) as e:
                 truncated = str(e)
@@ -724,6 +802,7 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
         "hour_epochs": plan.hour_epochs,
         "kill_rate_per_hour": KILL_RATE,
         "newcomer_every": plan.newcomer_every,
+        "joins_in_flight": plan.joins_in_flight,
         "slowdown": SLOWDOWN,
         "slow_peer": f"peer{slow}",
         "link_rates_mbit": [list(rate) for rate in LINK_RATES],
@@ -815,7 +894,7 @@ def report_lines(figures: dict, totals: dict) -> list[str]:
             f"gradient rounds with groupmates: {figures['values_averaged_median']:.1%} of the values averaged at the "
             f"median, {figures['complete_rounds']:.1%} complete (nothing kept local, no sender dropped)"
         )
-    counts = ("peers", "kills", "restarts", "newcomers", "leaves", "exits", "epochs", "hour_epochs")
+    counts = ("peers", "kills", "restarts", "newcomers", "leaves", "gave_up", "exits", "epochs", "hour_epochs")
     lines.append(", ".join(f"{name} {figures.get(name)}" for name in counts) + f", wall {figures['wall_s']:.0f} s")
     return lines
 
@@ -825,18 +904,24 @@ def main(argv=None) -> int:
     if argv[:1] == ["peer"]:
         return run_peer(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench.swarm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 6 peers, 15 epochs, a few minutes")
+    presets = parser.add_mutually_exclusive_group()
+    presets.add_argument("--quick", action="store_true", help="a smoke run: 6 peers, 15 epochs, a few minutes")
+    presets.add_argument(
+        "--joins", action="store_true", help="join tries: 6 peers and 4 newcomers at all times, under an hour"
+    )
     for name, what in (
         ("peers", "regular peers"),
         ("epochs", "measured global epochs"),
         ("hour_epochs", "global epochs in an hour-equivalent"),
         ("newcomer_every", "epochs between newcomers"),
+        ("joins_in_flight", "newcomers live at all times, each leaving once productive (0: one every newcomer_every)"),
         ("target_batch_size", "samples per global epoch"),
         ("max_minutes", "the whole run's deadline, start-up included"),
     ):
-        default, quick = getattr(FULL, name), getattr(QUICK, name)
+        default, quick, joins = getattr(FULL, name), getattr(QUICK, name), getattr(JOINS, name)
         kind = float if isinstance(default, float) else int
-        parser.add_argument(f"--{name}", type=kind, help=f"{what} (default {default:g}, quick {quick:g})")
+        shown = f"default {default:g}, quick {quick:g}, joins {joins:g}"
+        parser.add_argument(f"--{name}", type=kind, help=f"{what} ({shown})")
     parser.add_argument("--seed", type=int, help="the churn schedule's seed (default: the time)")
     parser.add_argument(
         "--trainer_flags", default="", help='more run_trainer.py flags for every peer, e.g. "--matchmaking_time 10"'
@@ -846,7 +931,7 @@ def main(argv=None) -> int:
         "--history", type=Path, default=Path("outputs/bench/swarm_history.jsonl"), help="join counts of every run"
     )
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = JOINS if args.joins else QUICK if args.quick else FULL
     chosen = {field.name: getattr(args, field.name) for field in dataclasses.fields(Plan)}
     chosen["trainer_flags"] = tuple(shlex.split(args.trainer_flags))  # one string on the command line
     plan = dataclasses.replace(plan, **{key: value for key, value in chosen.items() if value is not None})
@@ -856,6 +941,8 @@ def main(argv=None) -> int:
         parser.error("--peers must be 4 or more and --epochs 2 or more")
     if min(plan.hour_epochs, plan.newcomer_every, plan.target_batch_size, plan.max_minutes) <= 0:
         parser.error("--hour_epochs, --newcomer_every, --target_batch_size and --max_minutes must be positive")
+    if not 0 <= plan.joins_in_flight <= MAX_JOINS_IN_FLIGHT:
+        parser.error(f"--joins_in_flight must be 0 to {MAX_JOINS_IN_FLIGHT}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups: children, network namespaces
 
     def progress(line: str) -> None:
@@ -872,7 +959,8 @@ def main(argv=None) -> int:
         print(json.dumps({"skipped": str(e)}))
         return 0
     args.history.parent.mkdir(parents=True, exist_ok=True)
-    record = {key: figures.get(key) for key in ("join_tries", "join_productive", "goodput", "stalls", "peers")}
+    kept = ("join_tries", "join_productive", "goodput", "stalls", "peers", "joins_in_flight")
+    record = {key: figures.get(key) for key in kept}
     with open(args.history, "a") as file:
         file.write(json.dumps({"time": time.time(), "seed": plan.seed, "quick": args.quick, **record}) + "\n")
     totals = history_totals(read_json_lines(args.history))

@@ -20,12 +20,14 @@ from bench.swarm import (
     contributed_epochs,
     epoch_durations,
     epoch_starts,
+    free_slot,
     goodput,
     history_totals,
     join_outcome,
     join_phases,
     join_seconds_vs_bound,
     kills_due,
+    newcomer_verdict,
     own_round,
     read_steps,
     samples_by_outcome,
@@ -293,6 +295,39 @@ def test_join_outcomes_and_their_time_over_the_bound():
     # productive without a download of its own: no ratio
     no_download = joiner("restart", 0.0, 10.0, 9.0, "end", [averaged("gradients", 5.0, 8, 2, 1)])
     assert join_outcome(no_download, None) is True and join_seconds_vs_bound(no_download) is None
+
+
+def test_a_newcomer_in_flight_leaves_once_productive_or_a_minute_after_its_fair_chance():
+    # 12.5 MB at 10 Mbit/s (1.25 MB/s): a bound of 10 s, a fair chance of 1.5 x 10 + 60 = 75 s, given up at 135 s
+    downloading = joiner("newcomer", 100.0, 10.0, None, None, [ev("joined", 104.0)])
+    assert newcomer_verdict(downloading, 12_500_000, 234.0) is None
+    assert newcomer_verdict(downloading, 12_500_000, 235.0) == "gave up"
+    assert join_outcome(dataclasses.replace(downloading, ended=235.0, ended_by="leave"), 12_500_000) is False
+    # its own download's size wins over the swarm's: 25 MB bound it to 20 s, giving up at 100 + 90 + 60
+    loaded = dataclasses.replace(downloading, events=[{**LOADED, "bytes": 25_000_000}])
+    assert newcomer_verdict(loaded, 12_500_000, 249.0) is None and newcomer_verdict(loaded, None, 250.0) == "gave up"
+    # a round with a groupmate and its own samples: productive at once, however late
+    productive = dataclasses.replace(loaded, events=[LOADED, averaged("gradients", 115.0, 64, 5, 1.0)])
+    assert newcomer_verdict(productive, None, 116.0) == "productive"
+    assert newcomer_verdict(productive, None, 1000.0) == "productive"
+    # alone, or catching up at weight 0, is not yet a contribution
+    alone = dataclasses.replace(loaded, events=[LOADED, averaged("gradients", 115.0, 64, 1, 1.0)])
+    assert newcomer_verdict(alone, None, 116.0) is None
+
+
+def test_a_newcomer_takes_a_slot_no_live_newcomer_holds_and_spares_the_latest_leaver():
+    assert free_slot(3, held=[], leaving=[]) == 0
+    assert free_slot(3, held=[0, 2], leaving=[]) == 1
+    assert free_slot(3, held=[1], leaving=[0]) == 2  # a slot without a leaver first
+    assert free_slot(3, held=[1], leaving=[2, 0]) == 2  # else the leaver that left first is killed
+    assert free_slot(4, held=[0, 1, 3], leaving=[2]) == 2
+
+
+def test_a_join_plan_needs_a_sane_number_of_newcomers_in_flight():
+    with pytest.raises(SystemExit):
+        swarm.main(["--joins_in_flight", "-1"])
+    with pytest.raises(SystemExit):
+        swarm.main(["--joins_in_flight", str(swarm.MAX_JOINS_IN_FLIGHT + 1)])
 
 
 def test_join_phases_say_where_the_time_went():
