@@ -79,8 +79,9 @@ STATE_WIRE_FRACTION = 0.5
 # allowance covers what the bound leaves out, the process's start on a loaded CPU and the wait for a round.
 STARTUP_ALLOWANCE_S = 60.0
 # With --joins_in_flight, a newcomer still not productive this long after its fair chance leaves: a failed join,
-# whose slot goes to the next newcomer.
-GIVE_UP_AFTER_S = 60.0
+# whose slot goes to the next newcomer. Three averaging timeouts (60 s): a first round caught in a round that timed
+# out gets more, as a newcomer of the churn schedule (alive some eight epochs) does.
+GIVE_UP_AFTER_S = 180.0
 MAX_JOINS_IN_FLIGHT = 8  # each newcomer is a namespace and a process start on the machine's few cores
 GOALS = {"goodput": 0.95, "join_success": 0.995, "join_seconds_vs_bound": JOIN_GOAL, "stalls": 0}
 # The peers' training threads run at this niceness: the swarm's peers share a few cores, where their forward and
@@ -405,8 +406,9 @@ def newcomer_verdict(run: PeerRun, state_bytes: int | None, now: float) -> str |
 
 
 def newcomer_slots(plan: Plan) -> int:
-    """Namespaces for newcomers: as many as are ever live at once, and one for a leaver still shutting down."""
-    return max(NEWCOMERS_AT_ONCE, plan.joins_in_flight) + 1
+    """Namespaces for newcomers: the schedule's live ones and one for a leaver still shutting down, or, with
+    ``joins_in_flight``, as many for leavers as for the live ones (several may leave at once)."""
+    return max(NEWCOMERS_AT_ONCE + 1, 2 * plan.joins_in_flight)
 
 
 def free_slot(slots: int, held: Sequence[int], leaving: Sequence[int]) -> int:

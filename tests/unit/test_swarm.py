@@ -298,14 +298,14 @@ def test_join_outcomes_and_their_time_over_the_bound():
 
 
 def test_a_newcomer_in_flight_leaves_once_productive_or_a_minute_after_its_fair_chance():
-    # 12.5 MB at 10 Mbit/s (1.25 MB/s): a bound of 10 s, a fair chance of 1.5 x 10 + 60 = 75 s, given up at 135 s
+    # 12.5 MB at 10 Mbit/s (1.25 MB/s): a bound of 10 s, a fair chance of 1.5 x 10 + 60 = 75 s, given up 180 s later
     downloading = joiner("newcomer", 100.0, 10.0, None, None, [ev("joined", 104.0)])
-    assert newcomer_verdict(downloading, 12_500_000, 234.0) is None
-    assert newcomer_verdict(downloading, 12_500_000, 235.0) == "gave up"
-    assert join_outcome(dataclasses.replace(downloading, ended=235.0, ended_by="leave"), 12_500_000) is False
-    # its own download's size wins over the swarm's: 25 MB bound it to 20 s, giving up at 100 + 90 + 60
+    assert newcomer_verdict(downloading, 12_500_000, 354.0) is None
+    assert newcomer_verdict(downloading, 12_500_000, 355.0) == "gave up"
+    assert join_outcome(dataclasses.replace(downloading, ended=355.0, ended_by="leave"), 12_500_000) is False
+    # its own download's size wins over the swarm's: 25 MB bound it to 20 s, giving up at 100 + 90 + 180
     loaded = dataclasses.replace(downloading, events=[{**LOADED, "bytes": 25_000_000}])
-    assert newcomer_verdict(loaded, 12_500_000, 249.0) is None and newcomer_verdict(loaded, None, 250.0) == "gave up"
+    assert newcomer_verdict(loaded, 12_500_000, 369.0) is None and newcomer_verdict(loaded, None, 370.0) == "gave up"
     # a round with a groupmate and its own samples: productive at once, however late
     productive = dataclasses.replace(loaded, events=[LOADED, averaged("gradients", 115.0, 64, 5, 1.0)])
     assert newcomer_verdict(productive, None, 116.0) == "productive"
@@ -321,6 +321,8 @@ def test_a_newcomer_takes_a_slot_no_live_newcomer_holds_and_spares_the_latest_le
     assert free_slot(3, held=[1], leaving=[0]) == 2  # a slot without a leaver first
     assert free_slot(3, held=[1], leaving=[2, 0]) == 2  # else the leaver that left first is killed
     assert free_slot(4, held=[0, 1, 3], leaving=[2]) == 2
+    # the schedule's two newcomers and a leaver; four in flight and as many leaving at once
+    assert swarm.newcomer_slots(swarm.QUICK) == 3 and swarm.newcomer_slots(swarm.JOINS) == 8
 
 
 def test_a_join_plan_needs_a_sane_number_of_newcomers_in_flight():
