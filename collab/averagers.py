@@ -38,6 +38,7 @@ import logging
 import math
 import multiprocessing as mp
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -786,6 +787,20 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
     rounds."""
 
     state_averager_class: type[TrainingStateAverager] = FiniteTrainingStateAverager
+    # Set once the peer is asked to stop (trainer.peer): it triggers no further round, so it pre-schedules none. A
+    # round pre-scheduled then is one hivemind's shutdown tags along at weight 0, for up to averaging_timeout.
+    leaving: threading.Event | None = None
+
+    def _is_leaving(self) -> bool:
+        return self.leaving is not None and self.leaving.is_set()
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if not self._is_leaving():
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if not self._is_leaving():
+            super()._maybe_schedule_state_averaging()
 
     def _state_averager_options(self) -> dict:
         """Keyword arguments of ``state_averager_class`` beyond hivemind's (a subclass adds its own)."""

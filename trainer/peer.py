@@ -88,6 +88,7 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
             config.training,
             timeouts=timeouts,
         )
+        optimizer.leaving = stop
         callback = CollaborativeCallback(
             dht,
             optimizer,

@@ -1,5 +1,6 @@
 """The optimizer definition: parameter groups, schedule, local batch size."""
 
+import dataclasses
 import threading
 import time
 
@@ -7,6 +8,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
+from hivemind.utils import get_dht_time
 from torch_optimizer import Lamb
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
@@ -189,6 +191,35 @@ def test_a_departing_peer_does_not_wait_twice_for_a_hung_background_round():
         assert not shutdown.is_alive(), "hivemind's shutdown waited for the round finish_delayed_updates gave up on"
     finally:
         release.set()
+        dht.shutdown()
+
+
+def test_a_peer_asked_to_stop_pre_schedules_no_gradient_round():
+    """A leaving peer triggers no further round: one pre-scheduled after the stop is one hivemind's shutdown tags
+    along at weight 0, holding the peer's exit up to averaging_timeout (a newcomer leaving that way was forced out
+    unsaved after 25 s)."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "leaving")
+        optimizer.leaving = threading.Event()
+        tracker = optimizer.tracker
+
+        def epoch_ends_now_and_maybe_schedule():
+            with tracker.lock_global_progress:  # the tracker's own refresh does not overwrite the estimate meanwhile
+                tracker.global_progress = dataclasses.replace(tracker.global_progress, eta_next_epoch=get_dht_time())
+                optimizer._maybe_schedule_gradient_averaging()
+
+        try:
+            optimizer.leaving.set()
+            epoch_ends_now_and_maybe_schedule()
+            assert optimizer.scheduled_grads is None
+            optimizer.leaving.clear()
+            epoch_ends_now_and_maybe_schedule()
+            assert optimizer.scheduled_grads is not None  # a peer that stays pre-schedules the same round
+        finally:
+            optimizer.shutdown()
+    finally:
         dht.shutdown()
 
 
