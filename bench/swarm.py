@@ -702,14 +702,18 @@ class Swarm:
             raise RunDeadline(f"the run's deadline passed at global epoch {self.epoch}")
 
     def wait(self, condition: Callable[[], bool], seconds: float, what: str) -> None:
-        """Tick until ``condition()`` holds; TimeoutError after ``seconds``."""
-        until = time.monotonic() + seconds
+        """Tick until ``condition()`` holds; TimeoutError once ``seconds`` pass without it and without a new global
+        epoch: a swarm that moves on is not stalled, however far off the epoch waited for (the run's deadline bounds
+        the whole)."""
+        epoch, until = self.epoch, time.monotonic() + seconds
         while True:
             self.tick()
             if condition():
                 return
+            if self.epoch != epoch:
+                epoch, until = self.epoch, time.monotonic() + seconds
             if time.monotonic() > until:
-                raise TimeoutError(f"timed out after {seconds:.0f} s waiting for {what}")
+                raise TimeoutError(f"{seconds:.0f} s without a new global epoch (at {self.epoch}) waiting for {what}")
             time.sleep(POLL_S)
 
     def has(self, key: str, event: str) -> bool:

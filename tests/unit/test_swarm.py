@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -330,6 +331,23 @@ def test_a_join_plan_needs_a_sane_number_of_newcomers_in_flight():
         swarm.main(["--joins_in_flight", "-1"])
     with pytest.raises(SystemExit):
         swarm.main(["--joins_in_flight", str(swarm.MAX_JOINS_IN_FLIGHT + 1)])
+
+
+def test_a_wait_times_out_on_a_stalled_swarm_not_on_a_long_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(swarm, "POLL_S", 0.01)
+    waiting = swarm.Swarm(None, swarm.QUICK, tmp_path, "prefix", [], deadline=time.monotonic() + 60)
+    calls = []
+
+    def moving_on() -> bool:  # a new epoch every call, the condition true after 0.5 s, ten times the wait's seconds
+        calls.append(time.monotonic())
+        waiting.epoch += 1
+        return calls[-1] - calls[0] > 0.5
+
+    waiting.wait(moving_on, 0.05, "epoch 50")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="without a new global epoch"):
+        waiting.wait(lambda: False, 0.05, "epoch 1000")
+    assert time.monotonic() - started < 5
 
 
 def test_join_phases_say_where_the_time_went():
