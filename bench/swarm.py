@@ -384,16 +384,17 @@ def fair_chance_ends(run: PeerRun, state_bytes: int | None) -> float:
     return run.started + fair_chance_s(transfer_bound_s(size, run.download_mbit) if size else 0.0)
 
 
-def join_outcome(run: PeerRun, state_bytes: int | None) -> bool | None:
-    """True when the join became productive, False when it did not though it had a fair chance (or exited by
-    itself), None when the schedule or the run's end stopped it before (it counts neither way). ``state_bytes`` is
-    the swarm's state size, for a run that died before its own download ended."""
+def join_outcome(run: PeerRun, state_bytes: int | None, grace_s: float = 0.0) -> bool | None:
+    """True when the join became productive, False when it did not though it had a fair chance and ``grace_s`` more
+    (or exited by itself), None when the schedule or the run's end stopped it before (it counts neither way).
+    ``state_bytes`` is the swarm's state size, for a run that died before its own download ended; ``grace_s`` is the
+    plan's wait past the fair chance before it gives a join up (``GIVE_UP_AFTER_S`` with ``--joins_in_flight``)."""
     if first_contribution(run) is not None:
         return True
     if run.ended_by == "exit":
         return False
     ended = run.ended if run.ended is not None else math.inf
-    return None if ended < fair_chance_ends(run, state_bytes) else False
+    return None if ended < fair_chance_ends(run, state_bytes) + grace_s else False
 
 
 def newcomer_verdict(run: PeerRun, state_bytes: int | None, now: float) -> str | None:
@@ -450,13 +451,13 @@ def join_phases(run: PeerRun) -> dict[str, float]:
     return phases
 
 
-def summarize(runs: Sequence[PeerRun], first: int, last: int) -> dict:
+def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0.0) -> dict:
     """The figures of one run over the measured epochs ``first`` to ``last - 1``; joins are the runs that are not
-    the initial peers."""
+    the initial peers, judged by ``join_outcome`` with ``grace_s``."""
     sizes = [size for size in map(loaded_bytes, runs) if size]
     state_bytes = int(statistics.median(sizes)) if sizes else None
     joins = [run for run in runs if run.kind != "initial"]
-    outcomes = [join_outcome(run, state_bytes) for run in joins]
+    outcomes = [join_outcome(run, state_bytes, grace_s) for run in joins]
     ratios = sorted(r for r in map(join_seconds_vs_bound, joins) if r is not None)
     durations = epoch_durations(epoch_starts(runs), first, last)
     computed = sum(computed_samples(run, first, last) for run in runs)
@@ -796,7 +797,9 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                     last = min(last or math.inf, swarm.epoch)
             swarm.finish()
             monitor_alive = monitor.running()
-    figures = summarize(swarm.runs, first, last) if first is not None and last is not None and last > first else {}
+    grace = GIVE_UP_AFTER_S if plan.joins_in_flight else 0.0  # the run's end judges a join as the plan would
+    measured = first is not None and last is not None and last > first
+    figures = summarize(swarm.runs, first, last, grace) if measured else {}
     return {
         **figures,
         "peers": plan.peers,

@@ -304,6 +304,10 @@ def test_a_newcomer_in_flight_leaves_once_productive_or_a_minute_after_its_fair_
     assert newcomer_verdict(downloading, 12_500_000, 354.0) is None
     assert newcomer_verdict(downloading, 12_500_000, 355.0) == "gave up"
     assert join_outcome(dataclasses.replace(downloading, ended=355.0, ended_by="leave"), 12_500_000) is False
+    # the run's end judges a join as the plan does: still inside its grace, it had no fair chance yet
+    ended = dataclasses.replace(downloading, ended=300.0, ended_by="end")
+    assert join_outcome(ended, 12_500_000) is False and join_outcome(ended, 12_500_000, grace_s=180.0) is None
+    assert join_outcome(dataclasses.replace(ended, ended=355.0), 12_500_000, grace_s=180.0) is False
     # its own download's size wins over the swarm's: 25 MB bound it to 20 s, giving up at 100 + 90 + 180
     loaded = dataclasses.replace(downloading, events=[{**LOADED, "bytes": 25_000_000}])
     assert newcomer_verdict(loaded, 12_500_000, 369.0) is None and newcomer_verdict(loaded, None, 370.0) == "gave up"
