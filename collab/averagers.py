@@ -802,26 +802,6 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
         if not self._is_leaving():
             super()._maybe_schedule_state_averaging()
 
-    # time.monotonic() by which a departing peer is done with its rounds (``finish_delayed_updates`` sets it)
-    leave_by: float | None = None
-
-    def _tag_along_with_zero_weight(self, control) -> None:
-        """hivemind's (join a round this peer no longer triggers at weight 0 and wait for it, not to stall its group),
-        waiting until ``leave_by`` once the peer departs instead of averaging_timeout: its shutdown deadline leaves no
-        more, and a peer forced out at the deadline leaves the round anyway, and its model unsaved."""
-        if self.leave_by is None:
-            return super()._tag_along_with_zero_weight(control)
-        if not control.triggered:
-            control.weight = 0
-            control.allow_allreduce()
-        if not control.done():
-            try:
-                control.result(max(0.0, self.leave_by - time.monotonic()))
-            except BaseException as e:  # as hivemind: a round that failed, was cancelled or did not end in time
-                logger.info("Leaving a round that did not end before this peer's shutdown wait did (%r)", e)
-                if not control.done():
-                    control.cancel()
-
     def _state_averager_options(self) -> dict:
         """Keyword arguments of ``state_averager_class`` beyond hivemind's (a subclass adds its own)."""
         return {}

@@ -410,13 +410,9 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
     more, and a peer stopped by SIGTERM would pass its shutdown deadline without saving its model.
 
     In what is left of ``timeout``, the groupmates of each averager's last round get what they still need from this
-    peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut; not after a round that hung. A round
-    pre-scheduled before the stop, which hivemind's shutdown then joins at weight 0, gets what is left of ``timeout``
-    too (``FiniteAveragingOptimizer.leave_by``).
+    peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut; not after a round that hung.
     """
     deadline = time.monotonic() + timeout
-    if isinstance(optimizer, FiniteAveragingOptimizer):
-        optimizer.leave_by = deadline  # hivemind's shutdown joins a pre-scheduled round until then, no longer
     averager = optimizer.state_averager
     done, pending = concurrent.futures.wait(list(averager.pending_updates), timeout=timeout)
     if pending:

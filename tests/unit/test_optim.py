@@ -223,36 +223,6 @@ def test_a_peer_asked_to_stop_pre_schedules_no_gradient_round():
         dht.shutdown()
 
 
-def test_a_departing_peer_joins_a_pre_scheduled_round_only_for_what_is_left_of_its_wait():
-    """hivemind's shutdown joins a round pre-scheduled before the stop at weight 0 and waits for it up to
-    averaging_timeout (60 s), past a 25-s shutdown deadline: the peer was forced out unsaved. Once
-    finish_delayed_updates has set the peer's ``leave_by``, it waits only until then, and the round is left."""
-    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        optimizer = optimizer_with_defaults(model, dht, "leave_by")
-        try:
-            # a round alone in the swarm: it looks for a group until averaging_timeout
-            staying = optimizer.grad_averager.schedule_step(timeout=optimizer.averaging_timeout)
-            tagging = threading.Thread(target=optimizer._tag_along_with_zero_weight, args=(staying,), daemon=True)
-            tagging.start()
-            tagging.join(timeout=3.0)
-            assert tagging.is_alive(), "hivemind's wait (a peer that is not leaving) ended before averaging_timeout"
-            staying.cancel()
-            tagging.join(timeout=30)
-
-            finish_delayed_updates(optimizer, timeout=1.0)
-            leaving = optimizer.grad_averager.schedule_step(timeout=optimizer.averaging_timeout)
-            started = time.monotonic()
-            optimizer._tag_along_with_zero_weight(leaving)
-            assert time.monotonic() - started < 3.0
-            assert leaving.done() and leaving.cancelled()
-        finally:
-            optimizer.shutdown()
-    finally:
-        dht.shutdown()
-
-
 def test_step_begun_is_written_when_the_round_is_triggered_not_before_the_previous_update_is_applied(tmp_path):
     """hivemind enters a global step, then waits for the previous step's delayed update (its round and optimizer
     step) before it triggers this step's gradient round: ``step_begun`` must come after that wait, or a round of the
