@@ -58,8 +58,9 @@ lint: setup
 # an hour on 2 cores (python -m bench --quick: a short smoke run; python -m bench --only PART: one part; python -m
 # bench.wan --lowcomm_variants ...: more rate-scaled rows than the 8-bit one). Needs root for the network
 # namespaces of the shaped-link and wan parts; without them those parts are reported as skipped. The swarm
-# scenarios run on their own: python -m bench.swarm (16 peers with churn, about 30 minutes) and python -m bench.join
-# (a 124M-parameter state over 40 Mbit/s, about 10 minutes).
+# scenarios run on their own: python -m bench.swarm (16 peers with churn, about 30 minutes; --joins: join tries, 4
+# newcomers at all times, under an hour) and python -m bench.join (a 124M-parameter state over 40 Mbit/s, about 10
+# minutes).
 bench: setup scenarios
 	$(PY) -m bench
 
