@@ -20,7 +20,8 @@ Each fix, the rule it keeps (what hivemind does instead, what that cost, and the
   the caller's Ctrl-C handler in place;
 - 8-bit parts are read with numpy 2;
 - rounds meet only rounds of their own epoch, and a round whose group formed without this peer is given up;
-- the tracker's thread ends with no task pending.
+- the tracker's thread ends with no task pending;
+- an averager shut down mid-round cancels the round instead of dying of an AttributeError.
 """
 
 from __future__ import annotations
@@ -482,6 +483,21 @@ def averager_run_ending_with_parent(self) -> None:
     _original_averager_run(self)
 
 
+async def averager_shutdown_cancelling_rounds(self, timeout: float | None) -> None:
+    """hivemind's ``DecentralizedAverager._shutdown`` (in the averager's process), cancelling the rounds in progress.
+    hivemind calls ``finalize`` on the values of ``_running_groups``, which are futures of the rounds' runners (and
+    ``finalize`` returns None): an averager shut down mid-round, as a peer leaving in a round, died of an
+    AttributeError with a traceback in the peer's log. Here a runner is finalized as cancelled, and a round whose
+    runner is not made yet is cancelled; ``timeout`` is unused (nothing is left to wait for)."""
+    if not self.client_mode:
+        await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+    for future in list(self._running_groups.values()):
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled() and future.exception() is None:
+            future.result().finalize(cancel=True)
+
+
 def quantization_extract(self, serialized_tensor) -> torch.Tensor:
     """hivemind's ``Quantization.extract`` with the codebook size read as ``array[0]`` (numpy 2 compatible)."""
     buffer = serialized_tensor.buffer
@@ -495,8 +511,9 @@ def quantization_extract(self, serialized_tensor) -> torch.Tensor:
 
 class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverager):
     """hivemind's ``DecentralizedAverager`` with the fixes above that live in the averager: SIGINT kept, senders
-    waiting for their group, declarations stored only when changed, rounds marked for the stale-round watchdog, and
-    a process that keeps its tasks, is spared the signals meant for its peer and ends with its parent. With
+    waiting for their group, declarations stored only when changed, rounds marked for the stale-round watchdog, a
+    shutdown that cancels the rounds in progress, and a process that keeps its tasks, is spared the signals meant for
+    its peer and ends with its parent. With
     ``round_epoch`` (a callable giving the epoch of the round that ``step`` begins) its rounds meet only rounds of
     their epoch (``collab.matchmaking``), and with ``tracked_swarm_epoch`` (a callable giving the swarm's epoch as the
     progress tracker sees it) its rounds of a known epoch are given up by epoch, not by time (``is_stale_round``).
@@ -515,6 +532,7 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
     _declare_for_download_periodically = declare_for_download_when_changed
     step = averager_step_marking_stale_time
+    _shutdown = averager_shutdown_cancelling_rounds
     round_epoch = None
     tracked_swarm_epoch = None
 

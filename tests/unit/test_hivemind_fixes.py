@@ -665,3 +665,63 @@ def test_a_sender_that_gives_up_waiting_for_the_runner_leaves_this_peers_round_w
         assert asyncio.run(sender_gives_up()).cancelled() is group_cancelled
     finally:
         dht.shutdown()
+
+
+HIVEMIND_SHUTDOWN_ERROR = "object has no attribute 'finalize'"
+# Two averagers match a round and both trigger it, but the second's process is stopped (SIGSTOP), so the first's
+# all-reduce runs, waiting for the second, when the first is shut down (a peer leaving mid-round). In a process of its
+# own: the averagers' threads write their errors to the stderr they inherit, which pytest does not capture.
+SHUT_DOWN_IN_ITS_ALL_REDUCE = """
+import os, signal, sys, time
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
+from hivemind.utils import get_dht_time
+from collab.hivemind_fixes import FixedDecentralizedAverager
+from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
+from trainer.local import wait_until
+
+averager_class = {"plain": DecentralizedAverager, "fixed": FixedDecentralizedAverager}[sys.argv[1]]
+with two_dhts() as (first_dht, second_dht):
+    pair = ((first_dht, 0.0), (second_dht, 2.0))
+    averagers = [matched_averager(dht, value, "leaving", averager_class) for dht, value in pair]
+    when = get_dht_time() + STALE_TEST_MATCHMAKING
+    steps = [each.step(scheduled_time=when, require_trigger=True, wait=False) for each in averagers]
+    try:
+        wait_until(lambda: all(step.stage == AveragingStage.AWAITING_TRIGGER for step in steps), 30, "a match", 0.1)
+    except TimeoutError:
+        sys.exit(75)  # not matched: the caller tries again
+    os.kill(averagers[1].pid, signal.SIGSTOP)
+    for step in steps:
+        step.allow_allreduce()
+    wait_until(lambda: steps[0].stage == AveragingStage.RUNNING_ALLREDUCE, 10, "the all-reduce", 0.05)
+    time.sleep(0.5)  # its group is registered; it waits for the stopped peer
+    averagers[0].shutdown()
+    os.kill(averagers[1].pid, signal.SIGCONT)
+    averagers[1].shutdown()
+"""
+
+
+def shut_down_in_its_all_reduce(kind: str) -> str:
+    """What ``SHUT_DOWN_IN_ITS_ALL_REDUCE`` with ``kind`` ("plain" or "fixed") averagers wrote to stderr."""
+    for _ in range(MATCHING_TRIES):
+        done = subprocess.run(
+            [sys.executable, "-c", SHUT_DOWN_IN_ITS_ALL_REDUCE, kind],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        if done.returncode != 75:
+            assert done.returncode == 0, done.stderr[-2000:]
+            return done.stderr
+    raise RoundsNotMatched(f"no try of {MATCHING_TRIES} matched the two rounds")
+
+
+@pytest.mark.timeout(400)
+def test_plain_hivemind_fails_to_shut_down_an_averager_in_its_all_reduce():
+    assert HIVEMIND_SHUTDOWN_ERROR in shut_down_in_its_all_reduce("plain")
+
+
+@pytest.mark.timeout(400)
+def test_fixed_averager_shuts_down_in_its_all_reduce_cancelling_the_round():
+    assert HIVEMIND_SHUTDOWN_ERROR not in shut_down_in_its_all_reduce("fixed")
