@@ -398,12 +398,11 @@ def join_outcome(run: PeerRun, state_bytes: int | None, grace_s: float = 0.0) ->
 
 
 def newcomer_verdict(run: PeerRun, state_bytes: int | None, now: float) -> str | None:
-    """What becomes of a live newcomer under ``--joins_in_flight``: "productive" once it had an own round (its join
-    succeeded: it leaves), "gave up" ``GIVE_UP_AFTER_S`` after its fair chance ended without one (its join failed:
-    it leaves), None meanwhile."""
-    if first_contribution(run) is not None:
-        return "productive"
-    return "gave up" if now >= fair_chance_ends(run, state_bytes) + GIVE_UP_AFTER_S else None
+    """What becomes of a live newcomer under ``--joins_in_flight``: its ``join_outcome`` were it ended ``now`` with
+    the plan's grace, ``GIVE_UP_AFTER_S``: "productive" once it had an own round, "gave up" once that grace is over
+    without one (it leaves either way), None meanwhile."""
+    outcome = join_outcome(dataclasses.replace(run, ended=now), state_bytes, GIVE_UP_AFTER_S)
+    return None if outcome is None else "productive" if outcome else "gave up"
 
 
 def newcomer_slots(plan: Plan) -> int:
@@ -635,7 +634,11 @@ class Swarm:
         elif how == "end":
             process.kill()
 
-    def do(self, action: Action, progress: Callable[[str], None]) -> None:
+    def say(self, what: str) -> None:
+        """A progress line: the run's seconds, the swarm's epoch, ``what`` happened."""
+        self.progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: {what}")
+
+    def do(self, action: Action) -> None:
         """Carry out one action of the schedule (a kill of a peer that is down already does nothing)."""
         key = f"{'new' if action.kind in ('leave', 'newcomer') else 'peer'}{action.who}"
         if action.kind == "kill" and key in self.live:
@@ -652,7 +655,7 @@ class Swarm:
             self.arrive(key)
         else:
             return
-        progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: {action.kind} {key}")
+        self.say(f"{action.kind} {key}")
 
     def keep_joining(self) -> None:
         """``plan.joins_in_flight``: newcomers with a verdict (``newcomer_verdict``) leave, and new ones arrive in
@@ -664,11 +667,11 @@ class Swarm:
                 self.end(key, "leave")
                 self.counts["leaves"] += 1
                 self.counts["gave_up"] += verdict == "gave up"
-                self.progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: {key} {verdict}, left")
+                self.say(f"{key} {verdict}, left")
         while sum(key in self.slots for key in self.live) < self.plan.joins_in_flight:
             key = f"new{self.counts['newcomers']}"
             self.arrive(key)
-            self.progress(f"[{time.monotonic() - self.began:5.0f} s] epoch {self.epoch}: newcomer {key}")
+            self.say(f"newcomer {key}")
 
     def free_namespace(self, index: int) -> None:
         """SIGKILL a leaver still shutting down in namespace ``index``: its slot is wanted."""
@@ -785,7 +788,7 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 for action in schedule:
                     target = first + action.epoch
                     swarm.wait(lambda target=target: swarm.epoch >= target, 600, f"global epoch {target}")
-                    swarm.do(action, progress)
+                    swarm.do(action)
                 last = first + plan.epochs
                 swarm.wait(lambda: swarm.epoch >= last, 600, f"global epoch {last}")
                 swarm.joining = False  # a join begun now would end with the run, before its fair chance

@@ -672,7 +672,7 @@ HIVEMIND_SHUTDOWN_ERROR = "object has no attribute 'finalize'"
 # all-reduce runs, waiting for the second, when the first is shut down (a peer leaving mid-round). In a process of its
 # own: the averagers' threads write their errors to the stderr they inherit, which pytest does not capture.
 SHUT_DOWN_IN_ITS_ALL_REDUCE = """
-import os, signal, sys, time
+import os, signal, sys
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
@@ -693,8 +693,8 @@ with two_dhts() as (first_dht, second_dht):
     os.kill(averagers[1].pid, signal.SIGSTOP)
     for step in steps:
         step.allow_allreduce()
+    # hivemind registers the group before it marks the round running; the round waits for the stopped peer
     wait_until(lambda: steps[0].stage == AveragingStage.RUNNING_ALLREDUCE, 10, "the all-reduce", 0.05)
-    time.sleep(0.5)  # its group is registered; it waits for the stopped peer
     averagers[0].shutdown()
     os.kill(averagers[1].pid, signal.SIGCONT)
     averagers[1].shutdown()

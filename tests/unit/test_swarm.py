@@ -298,7 +298,7 @@ def test_join_outcomes_and_their_time_over_the_bound():
     assert join_outcome(no_download, None) is True and join_seconds_vs_bound(no_download) is None
 
 
-def test_a_newcomer_in_flight_leaves_once_productive_or_a_minute_after_its_fair_chance():
+def test_a_newcomer_in_flight_leaves_once_productive_or_three_minutes_after_its_fair_chance():
     # 12.5 MB at 10 Mbit/s (1.25 MB/s): a bound of 10 s, a fair chance of 1.5 x 10 + 60 = 75 s, given up 180 s later
     downloading = joiner("newcomer", 100.0, 10.0, None, None, [ev("joined", 104.0)])
     assert newcomer_verdict(downloading, 12_500_000, 354.0) is None
