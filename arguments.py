@@ -537,10 +537,15 @@ class TrainingArguments:
     clamp_value: float = field(default=10000.0, metadata={"help": "Lamb's clamp on the weight norm (trust ratio)"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip each mini-batch's gradient to this L2 norm"})
     warmup_steps: int = field(
-        default=2, metadata={"help": "Global epochs of linear learning-rate warmup from 0 to learning_rate"}
+        default=2,
+        metadata={
+            "help": "Global batches of target_batch_size samples (synchronous epochs; an outer round of --local_steps "
+            "H holds H of them) of linear learning-rate warmup from 0 to learning_rate"
+        },
     )
     total_steps: int = field(
-        default=1000, metadata={"help": "Global epoch at which the linear decay reaches 0 (shapes the schedule)"}
+        default=1000,
+        metadata={"help": "Global batch (as --warmup_steps counts them) at which the linear decay reaches 0"},
     )
     max_steps: int = field(
         default=0,

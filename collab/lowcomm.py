@@ -76,6 +76,16 @@ def parameter_round_every(explicit: int | None, local_steps: int, pseudo_grad_co
     return min(every, MAX_PARAMETER_ROUND_EVERY)
 
 
+def inner_schedule_position(epoch: int, local_steps: int, round_samples: int, target_batch_size: int) -> int:
+    """Where the inner learning-rate schedule stands, in global batches of ``target_batch_size`` samples (the
+    synchronous mode's epochs), so that ``--warmup_steps`` and ``--total_steps`` mean the same samples in both modes.
+    Outer round ``epoch`` spans batches ``epoch x H`` to ``epoch x H + H - 1``; ``round_samples`` is what the swarm has
+    processed of it. One batch ahead of the synchronous mode, whose first batch runs at the warmup's rate 0: at H 1
+    that would waste the whole first round."""
+    within = min(local_steps - 1, max(0, round_samples) // target_batch_size)
+    return epoch * local_steps + within + 1
+
+
 def stretched_by_rounds(synchronous: float, local_steps: int, metadata_expiration: float) -> float:
     """A period of the synchronous mode (seconds) in the mode of ``local_steps``: as is at 0, else ``local_steps``
     times it (an outer round is that many synchronous epochs), at most half of ``metadata_expiration`` (every live
@@ -177,10 +187,12 @@ def outer_optimizer_factory(lr: float, momentum: float, inner: torch.optim.Optim
 
 class LowCommStateAverager(FiniteTrainingStateAverager):
     """hivemind's TrainingStateAverager over the anchors, whose offloaded step re-bases the parameters
-    (``rebase_``) instead of overwriting them, and whose epoch drives the inner learning-rate schedule."""
+    (``rebase_``) instead of overwriting them, and whose epoch sets the inner learning-rate schedule at the round's
+    first batch (``inner_schedule_position``; the optimizer moves it on within the round)."""
 
-    def __init__(self, *, inner_scheduler=None, **kwargs):
+    def __init__(self, *, inner_scheduler=None, local_steps: int = 1, global_batch_size: int = 1, **kwargs):
         self.inner_scheduler = inner_scheduler
+        self.local_steps, self.global_batch_size = local_steps, global_batch_size
         self._replace_parameters = False
         super().__init__(**kwargs)
         self.round_reference = [anchor.detach().clone() for anchor in self._anchors()]
@@ -219,10 +231,14 @@ class LowCommStateAverager(FiniteTrainingStateAverager):
             self._replace_parameters = False
 
     def _update_scheduler(self):
-        """Round ``e``'s inner steps take the schedule's rate at ``e + 1``, the epoch the round ends in: a warmup
-        starting at 0 would otherwise waste the whole first round."""
         super()._update_scheduler()
-        bring_scheduler_to_epoch(self.inner_scheduler, self.local_epoch + 1)
+        self.advance_inner_schedule(round_samples=0)
+
+    def advance_inner_schedule(self, round_samples: int) -> None:
+        """The inner schedule at the swarm's position in this round, ``round_samples`` in (never back: a stale read
+        of the swarm's progress must not undo a step already taken at a later rate)."""
+        position = inner_schedule_position(self.local_epoch, self.local_steps, round_samples, self.global_batch_size)
+        bring_scheduler_to_epoch(self.inner_scheduler, position)
 
 
 class PseudoGradientAverager(WireAveragerMixin, FiniteGradientAverager):
@@ -285,6 +301,7 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         **kwargs,
     ):
         self.inner_optimizer, self.codec, self._inner_scheduler = inner_optimizer, codec, inner_scheduler
+        self.local_steps, self.global_batch_size = local_steps, target_batch_size  # a synchronous epoch's samples
         self.repairs = repairs
         self._read_repairs_near_end_of: int | None = None
         super().__init__(
@@ -304,7 +321,8 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
     state_averager_class = LowCommStateAverager
 
     def _state_averager_options(self) -> dict:
-        return {"inner_scheduler": self._inner_scheduler}
+        schedule = {"local_steps": self.local_steps, "global_batch_size": self.global_batch_size}
+        return {"inner_scheduler": self._inner_scheduler, **schedule}
 
     def _make_gradient_averager(self, factory, **kwargs):
         factory = partial(PseudoGradientAverager, state_averager=self.state_averager, codec=self.codec)
@@ -344,9 +362,17 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         outer step, end the round when the swarm has processed its samples."""
         if closure is not None:
             raise ValueError("LowCommOptimizer.step takes no closure: compute the gradients before calling it")
+        self._advance_inner_schedule()
         self.inner_optimizer.step()
         self._maybe_request_repair()
         return super().step(batch_size=batch_size, grad_scaler=grad_scaler)
+
+    def _advance_inner_schedule(self) -> None:
+        """The inner rate for the swarm's samples in this round: the tracker's count (this peer's up to now, the
+        others' as of its last read) while it counts this peer's epoch, else none yet."""
+        progress = self.tracker.global_progress
+        round_samples = progress.samples_accumulated if progress.epoch == self.local_epoch else 0
+        self.state_averager.advance_inner_schedule(round_samples)
 
     # Set by the thread that ends a round (hivemind's delayed step) when the round left this peer's anchor apart from
     # the swarm's; the next step asks for a parameter round, as a newcomer catching up does.

@@ -20,6 +20,7 @@ from collab.errors import ConfigError
 from collab.lowcomm import (
     LowCommOptimizer,
     OuterNesterov,
+    inner_schedule_position,
     max_refresh_period,
     outer_optimizer_factory,
     parameter_round_every,
@@ -106,6 +107,17 @@ def test_rebase_keeps_the_progress_while_a_background_round_changes_the_anchor()
 
 def test_a_round_is_local_steps_global_batches_of_swarm_samples():
     assert round_target_samples(local_steps=10, target_batch_size=384) == 3840
+
+
+def test_the_inner_schedule_stands_at_the_swarms_global_batch_one_ahead():
+    # round 3 of H 50 spans global batches 150..199; 600 samples of 256 into it: batch 152, its rate one ahead
+    assert inner_schedule_position(epoch=3, local_steps=50, round_samples=600, target_batch_size=256) == 153
+    assert inner_schedule_position(epoch=0, local_steps=50, round_samples=0, target_batch_size=256) == 1
+    assert inner_schedule_position(epoch=0, local_steps=50, round_samples=255, target_batch_size=256) == 1
+    assert inner_schedule_position(epoch=0, local_steps=50, round_samples=256, target_batch_size=256) == 2
+    # the swarm past the round's samples (ahead of its end) stays within the round
+    assert inner_schedule_position(epoch=0, local_steps=50, round_samples=10**6, target_batch_size=256) == 50
+    assert inner_schedule_position(epoch=7, local_steps=1, round_samples=300, target_batch_size=256) == 8
 
 
 def test_state_dict_carries_outer_momentum_and_inner_lamb_to_a_newcomer():
@@ -207,13 +219,21 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
             inner_rates = [group["initial_lr"] for group in optimizer.inner_optimizer.param_groups]
             assert inner_rates == pytest.approx([training_args.learning_rate * 0.5**0.5] * len(inner_rates))
             batch = {"input_ids": torch.randint(0, 100, (4, 8)), "labels": torch.randint(0, 100, (4, 8))}
+            first_step_rates = None
             while optimizer.local_epoch == 0:
                 model(**batch).loss.backward()
                 optimizer.step()
+                first_step_rates = first_step_rates or [g["lr"] for g in optimizer.inner_optimizer.param_groups]
                 optimizer.zero_grad()
+            # the schedule counts global batches of 8 (warmup 2, decay to 1000): the first at half the rate
+            assert first_step_rates == pytest.approx([rate * 0.5 for rate in inner_rates])
             main = [p for group in optimizer.param_groups for p in group["params"]]
             at_round_end = [p.detach().clone() for p in main]  # the outer step runs in the background
             optimizer.state_averager.step(wait_for_delayed_updates=True)
+            # round 1 begins with global batch 3 (3 a round), its rate one ahead: batch 4's of the linear decay
+            assert [g["lr"] for g in optimizer.inner_optimizer.param_groups] == pytest.approx(
+                [rate * (1000 - 4) / (1000 - 2) for rate in inner_rates]
+            )
             anchors = [p for group in optimizer.opt.param_groups for p in group["params"]]
             for first, end, anchor, now in zip(start, at_round_end, anchors, main, strict=True):
                 expected = first - 0.7 * 1.9 * (first - end)
