@@ -37,9 +37,11 @@ KILL_AFTER = 2
 MAX_STEPS = 10
 STEP_CAP = MAX_STEPS + 20  # --max_steps: a bound should the stop below never come
 AVERAGING_TIMEOUT = 15
+LOCAL_STEPS = 2
 LOWCOMM = [
-    *("--local_steps", "2", "--target_batch_size", "128", "--matchmaking_time", "1.5"),
-    *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS)),
+    *("--local_steps", str(LOCAL_STEPS), "--target_batch_size", "128", "--matchmaking_time", "1.5"),
+    # the schedule counts global batches of 128 samples, LOCAL_STEPS to an outer round (a global epoch here)
+    *("--averaging_timeout", str(AVERAGING_TIMEOUT), "--total_steps", str(MAX_STEPS * LOCAL_STEPS)),
     *("--average_state_every", "2"),  # the agreement checked below comes from parameter rounds
     # the rate the low-communication loss runs train at (bench.wan): at the default 0.2 the outer step's momentum
     # overshot, and the swarm's loss rose again from the fifth epoch, past its start after a kill's partial rounds
