@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -193,6 +194,8 @@ class LowCommStateAverager(FiniteTrainingStateAverager):
     def __init__(self, *, inner_scheduler=None, local_steps: int = 1, global_batch_size: int = 1, **kwargs):
         self.inner_scheduler = inner_scheduler
         self.local_steps, self.global_batch_size = local_steps, global_batch_size
+        # the loop's thread moves the schedule within a round, hivemind's step thread to the next round's start
+        self._schedule_lock = threading.Lock()
         self._replace_parameters = False
         super().__init__(**kwargs)
         self.round_reference = [anchor.detach().clone() for anchor in self._anchors()]
@@ -238,7 +241,8 @@ class LowCommStateAverager(FiniteTrainingStateAverager):
         """The inner schedule at the swarm's position in this round, ``round_samples`` in (never back: a stale read
         of the swarm's progress must not undo a step already taken at a later rate)."""
         position = inner_schedule_position(self.local_epoch, self.local_steps, round_samples, self.global_batch_size)
-        bring_scheduler_to_epoch(self.inner_scheduler, position)
+        with self._schedule_lock:  # bring_scheduler_to_epoch checks, then moves: one thread at a time
+            bring_scheduler_to_epoch(self.inner_scheduler, position)
 
 
 class PseudoGradientAverager(WireAveragerMixin, FiniteGradientAverager):
