@@ -798,6 +798,15 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
         if not self._is_leaving():
             super()._maybe_schedule_gradient_averaging()
 
+    def _update_global_epoch(self, grad_scaler) -> None:
+        """hivemind's, once the last epoch's background update (its optimizer step and parameter round) has finished.
+        hivemind waits for it with the progress tracker paused, where the swarm's epoch stands still: the stale-round
+        watchdog could then never see that a parameter round's group formed without this peer, and a peer whose round
+        found no groupmate stalled for the whole averaging timeout while the swarm went on."""
+        if self.delay_optimizer_step:
+            self.state_averager.step(wait_for_delayed_updates=True)
+        super()._update_global_epoch(grad_scaler)
+
     def _maybe_schedule_state_averaging(self) -> None:
         if not self._is_leaving():
             super()._maybe_schedule_state_averaging()

@@ -255,6 +255,37 @@ def test_step_begun_is_written_when_the_round_is_triggered_not_before_the_previo
         dht.shutdown()
 
 
+def test_the_swarm_s_progress_is_read_while_a_step_waits_for_the_last_background_round():
+    """A global step first waits for the previous step's background update (its parameter round). hivemind waited with
+    the progress tracker paused: the swarm's epoch stood still, so the stale-round watchdog, which gives up a round
+    once the swarm is two epochs past it, never could, and a peer whose parameter round found no groupmate stalled for
+    its whole averaging timeout (161 s in tests/integration/test_last_round.py) while the swarm went on."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "unpaused_wait")
+        try:
+            tracker_free = threading.Event()
+
+            def background_round():  # the step surely waits by 1 s; then the tracker must get its lock at times
+                time.sleep(1.0)
+                for _ in range(100):
+                    if tracker.lock_global_progress.acquire(timeout=0.01):
+                        tracker.lock_global_progress.release()
+                        tracker_free.set()
+                        return
+
+            tracker, averager = optimizer.tracker, optimizer.state_averager
+            averager.pending_updates.add(averager.step_executor.submit(background_round))
+            optimizer._update_global_epoch(None)
+            assert tracker_free.is_set(), "the tracker stayed paused while the step waited"
+            assert optimizer.local_epoch == 1
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
+
+
 def test_a_newcomer_loads_the_state_of_a_peer_that_has_stepped():
     torch.manual_seed(0)
     models = [AutoModelForMaskedLM.from_config(tiny_bert_config(100)) for _ in range(2)]
