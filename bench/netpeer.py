@@ -109,6 +109,7 @@ def round_timeout(numel: int, args) -> float:
     """The trainers' averaging timeout for a round of ``numel`` values among ``--peers`` at ``--bandwidth``."""
     transfers = estimate_transfers(
         parameters=numel,
+        round_values_per_parameter=1,
         state_values_per_parameter=0,
         bytes_per_value=1 if args.compression == "8bit" else FP16,
         model_bytes=0,

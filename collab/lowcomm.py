@@ -53,11 +53,13 @@ def round_target_samples(local_steps: int, target_batch_size: int) -> int:
 # gradient round; a parameter round every second epoch brings it back within two (tests/integration/
 # test_parameter_rounds.py) at a quarter less traffic than every epoch (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
 SYNC_PARAMETER_ROUND_EVERY = 2
-# Low-communication mode: parameter rounds (the anchor in fp16) only repair a peer that missed a round, so they come
-# as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes (each compression's bytes a value:
-# ``python -m bench.compression``), or every MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays
-# unrepaired (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md). A newcomer asks for one (collab/repairs.py).
-PARAMETER_ROUND_BYTES_PER_VALUE = 2.0
+# Low-communication mode: parameter rounds (the anchor and the outer momentum, each in fp16) only repair a peer that
+# missed a round, so they come as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes (each
+# compression's bytes a value: ``python -m bench.compression``), or every MAX_PARAMETER_ROUND_EVERY rounds, the
+# longest a missed round stays unrepaired (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md). A peer left apart
+# and a newcomer ask for one sooner (collab/repairs.py).
+PARAMETER_ROUND_VALUES = 2  # per parameter: its anchor and its outer momentum
+PARAMETER_ROUND_BYTES_PER_PARAMETER = 2.0 * PARAMETER_ROUND_VALUES
 PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.079}
 PARAMETER_TRAFFIC_SHARE = 0.25
 MAX_PARAMETER_ROUND_EVERY = 32
@@ -73,7 +75,7 @@ def parameter_round_every(explicit: int | None, local_steps: int, pseudo_grad_co
     if local_steps == 0:
         return SYNC_PARAMETER_ROUND_EVERY
     pseudo_gradient = PSEUDO_GRADIENT_BYTES_PER_VALUE[pseudo_grad_compression]
-    every = math.ceil(PARAMETER_ROUND_BYTES_PER_VALUE / (PARAMETER_TRAFFIC_SHARE * pseudo_gradient))
+    every = math.ceil(PARAMETER_ROUND_BYTES_PER_PARAMETER / (PARAMETER_TRAFFIC_SHARE * pseudo_gradient))
     return min(every, MAX_PARAMETER_ROUND_EVERY)
 
 
@@ -315,10 +317,10 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
             target_batch_size=round_target_samples(local_steps, target_batch_size),
             grad_compression=codec.wire,
             grad_averager_factory=FiniteGradientAverager,  # replaced in _make_gradient_averager
-            # A parameter round repairs what a missed round left apart: the anchor only. The outer momentum needs no
-            # repair: every peer adds the same averaged pseudo-gradients to it, so a difference a missed round left
-            # shrinks by the momentum factor each round; averaging it too would double the round's bytes.
-            average_opt_statistics=(),
+            # A parameter round repairs what a missed round left apart: the anchor and the outer momentum. A momentum
+            # left apart fades by 0.9 a round, but meanwhile pushes the anchors apart by 0.7 x 0.9 / 0.1 = 6.3 times
+            # the difference (docs/benchmarks/2026-11-30-intel-xeon-2core-outer-momentum.md).
+            average_opt_statistics=("momentum_buffer",),
             **kwargs,
         )
 

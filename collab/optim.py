@@ -41,6 +41,7 @@ from collab.averagers import (
 )
 from collab.compression import make_codec
 from collab.lowcomm import (
+    PARAMETER_ROUND_VALUES,
     LowCommOptimizer,
     max_refresh_period,
     outer_optimizer_factory,
@@ -255,10 +256,12 @@ def local_batch_size(training_args: TrainingArguments) -> int:
     return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
 
 
-# Values per model parameter in the state a newcomer downloads, fp16 on the wire as parameter rounds (one value a
-# parameter in both modes; no gradient round is larger: 8-bit is about 1 byte a value). The state is the parameters
-# and Lamb's two moments; the low-communication mode's adds the outer momentum.
+# Values per model parameter in the state a newcomer downloads, fp16 on the wire as parameter rounds. The state is the
+# parameters and Lamb's two moments; the low-communication mode's adds the outer momentum.
 STATE_VALUES_PER_PARAMETER = {"sync": 3, "lowcomm": 4}
+# Values per model parameter in the largest averaging round, fp16 (no gradient round is larger: 8-bit is about 1 byte a
+# value): a parameter round, of the parameters, or in the low-communication mode of the anchors and outer momentum.
+ROUND_VALUES_PER_PARAMETER = {"sync": 1, "lowcomm": PARAMETER_ROUND_VALUES}
 
 
 def collaboration_timeouts(
@@ -269,6 +272,7 @@ def collaboration_timeouts(
     mode = "lowcomm" if optimizer_args.local_steps > 0 else "sync"
     transfers = estimate_transfers(
         parameters=sum(param.numel() for param in model.parameters() if param.requires_grad),
+        round_values_per_parameter=ROUND_VALUES_PER_PARAMETER[mode],
         state_values_per_parameter=STATE_VALUES_PER_PARAMETER[mode],
         bytes_per_value=FP16_BYTES,
         model_bytes=sum(param.numel() * param.element_size() for param in model.parameters()),

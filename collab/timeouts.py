@@ -95,6 +95,7 @@ class Timeouts:
 def estimate_transfers(
     *,
     parameters: int,
+    round_values_per_parameter: float,
     state_values_per_parameter: float,
     bytes_per_value: float,
     model_bytes: int,
@@ -103,15 +104,17 @@ def estimate_transfers(
 ) -> Transfers:
     """The seconds of each transfer for a model of ``parameters`` values (module docstring).
 
-    The largest averaging round carries one value per parameter (gradients, parameters, pseudo-gradients or
-    anchors); ``state_values_per_parameter``: values per parameter in the state a newcomer downloads (3 for
-    parameters and Lamb's two moments); ``bytes_per_value`` on the wire (fp16: 2); ``model_bytes``: the model as
-    saved; ``group_size``: the peers expected in a round (at least 2); ``bandwidth_mbit``: this peer's upload,
-    Mbit/s."""
+    ``round_values_per_parameter``: values per parameter in the largest averaging round (1 for gradients or
+    parameters, 2 for anchors with their outer momentum); ``state_values_per_parameter``: values per parameter in
+    the state a newcomer downloads (3 for parameters and Lamb's two moments); ``bytes_per_value`` on the wire (fp16:
+    2); ``model_bytes``: the model as saved; ``group_size``: the peers expected in a round (at least 2);
+    ``bandwidth_mbit``: this peer's upload, Mbit/s."""
     if not (parameters >= 0 and model_bytes >= 0 and group_size >= 2 and bandwidth_mbit > 0 and bytes_per_value > 0):
         raise ValueError("parameters and model_bytes >= 0, group_size >= 2, bandwidth and bytes_per_value > 0")
+    if round_values_per_parameter <= 0:
+        raise ValueError("round_values_per_parameter > 0")
     upload = bandwidth_mbit * 1e6 / 8  # bytes per second
-    round_bytes = parameters * bytes_per_value
+    round_bytes = parameters * round_values_per_parameter * bytes_per_value
     butterfly = 2 * (group_size - 1) / group_size
     part_bytes = min(PART_BYTES * (group_size - 1), round_bytes * (group_size - 1) / group_size)
     state_bytes = parameters * state_values_per_parameter * bytes_per_value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
@@ -11,6 +12,7 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import MSGPackSerializer
 
 from collab.hivemind_fixes import FixedDecentralizedAverager
@@ -41,6 +43,17 @@ def two_dhts(
             second.shutdown()
     finally:
         first.shutdown()
+
+
+def average_parameters_once(averagers: Sequence[TrainingStateAverager]) -> None:
+    """One parameter round of ``averagers`` together (hivemind's TrainingStateAverager.step, as the optimizer calls
+    it at an epoch's end)."""
+    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
+        rounds = [
+            pool.submit(averager.step, averaging_round=True, averaging_opts=dict(timeout=30)) for averager in averagers
+        ]
+        for done in rounds:
+            done.result(timeout=60)
 
 
 STALE_TEST_MATCHMAKING = 1.0  # seconds: a triggered round still looking 2.5 s later is given up

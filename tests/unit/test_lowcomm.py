@@ -37,6 +37,7 @@ from collab.optim import (
     lamb_factory,
     parameter_groups,
 )
+from tests.local_dht import average_parameters_once, two_dhts
 from trainer.model import tiny_bert_config
 
 
@@ -240,9 +241,9 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
                 assert torch.allclose(anchor, expected, atol=1e-6)
                 assert torch.allclose(now, expected, atol=1e-6)
             assert sum((a - s).abs().sum().item() for a, s in zip(anchors, start, strict=True)) > 0
-            # a parameter round averages the anchors and nothing else: 2 bytes a parameter in fp16
+            # a parameter round averages the anchors and the outer momentum: 4 bytes a parameter in fp16
             with optimizer.state_averager.get_tensors() as averaged:
-                assert [t.shape for t in averaged] == [a.shape for a in anchors]
+                assert [t.shape for t in averaged] == [a.shape for a in anchors] * 2
             # the monitor's download builds the same layout as a trainer that has stepped (else it refuses the state)
             monitor = build_state_averager(
                 AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
@@ -262,6 +263,48 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
             optimizer.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_a_parameter_round_makes_anchors_and_outer_momentum_whole_after_a_missed_round():
+    """After a given-up round each peer took the outer step on its own pseudo-gradient, so anchors and outer momenta
+    differ. One parameter round (as a repair request starts one) leaves both peers with the mean of each: a momentum
+    left apart would push the anchors apart again at every later outer step."""
+    optimizer_args = OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0)
+    training_args = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    with two_dhts() as dhts:
+        optimizers = []
+        try:
+            for dht in dhts:
+                torch.manual_seed(0)  # the same start on both
+                optimizers.append(
+                    build_optimizer(
+                        AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
+                        dht,
+                        PeerArguments(experiment_prefix="lowcomm_repair"),
+                        optimizer_args,
+                        AveragerArguments(target_group_size=2),
+                        ProgressTrackerArguments(),
+                        training_args,
+                    )
+                )
+            start = [anchor.detach().clone() for anchor in outer_parameters(optimizers[0])]
+            for optimizer, own_pseudo_gradient in zip(optimizers, (1.0, 3.0), strict=True):
+                for anchor in outer_parameters(optimizer):
+                    anchor.grad = torch.full_like(anchor, own_pseudo_gradient)
+                optimizer.state_averager.optimizer.step()  # momentum = its own, anchor -= 0.7 x 1.9 x its own
+            average_parameters_once([optimizer.state_averager for optimizer in optimizers])
+            for optimizer in optimizers:
+                outer = optimizer.state_averager.optimizer
+                for first, anchor in zip(start, outer_parameters(optimizer), strict=True):
+                    assert torch.equal(outer.state[anchor]["momentum_buffer"], torch.full_like(anchor, 2.0))
+                    assert torch.allclose(anchor, first - 0.7 * 1.9 * 2.0, atol=1e-2)
+        finally:
+            for optimizer in optimizers:
+                optimizer.shutdown()
+
+
+def outer_parameters(optimizer: LowCommOptimizer) -> list[torch.Tensor]:
+    return [anchor for group in optimizer.state_averager.optimizer.param_groups for anchor in group["params"]]
 
 
 def test_progress_is_published_local_steps_times_less_often_between_outer_rounds():
@@ -284,10 +327,10 @@ def test_progress_is_read_at_most_local_steps_times_less_often_far_from_an_outer
 
 def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_between_pseudo_gradient_rounds():
     assert parameter_round_every(None, 0, "8bit") == 2
-    # 4 bytes a value (anchor and momentum in fp16) at most a quarter of the pseudo-gradients' bytes per round
-    assert parameter_round_every(None, 10, "fp16") == 4  # 2 / (0.25 x 2)
-    assert parameter_round_every(None, 10, "8bit") == 8  # 2 / (0.25 x 1)
-    assert parameter_round_every(None, 50, "topk") == 32  # 2 / (0.25 x 0.079) = 102, capped
+    # 4 bytes a parameter (anchor and momentum in fp16) at most a quarter of the pseudo-gradients' bytes per round
+    assert parameter_round_every(None, 10, "fp16") == 8  # 4 / (0.25 x 2)
+    assert parameter_round_every(None, 10, "8bit") == 16  # 4 / (0.25 x 1)
+    assert parameter_round_every(None, 50, "topk") == 32  # 4 / (0.25 x 0.079) = 203, capped
     assert parameter_round_every(3, 50, "topk") == 3  # the flag wins
     assert parameter_round_every(1, 0, "fp16") == 1
 

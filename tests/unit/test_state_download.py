@@ -28,7 +28,7 @@ from collab.averagers import (
     state_refusal,
 )
 from collab.hivemind_fixes import SpacedProgressTracker, progress_key, records_within_reach
-from tests.local_dht import two_dhts
+from tests.local_dht import average_parameters_once, two_dhts
 from trainer.local import wait_until
 
 LIAR_EPOCH = 2**39
@@ -203,17 +203,6 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
                 averager.shutdown()
         for dht in dhts:
             dht.shutdown()
-
-
-def average_parameters_once(averagers: list[TrainingStateAverager]) -> None:
-    """One parameter round of ``averagers`` together (hivemind's TrainingStateAverager.step, as the optimizer calls
-    it at an epoch's end)."""
-    with concurrent.futures.ThreadPoolExecutor(len(averagers)) as pool:
-        rounds = [
-            pool.submit(averager.step, averaging_round=True, averaging_opts=dict(timeout=30)) for averager in averagers
-        ]
-        for done in rounds:
-            done.result(timeout=60)
 
 
 def test_peers_whose_parameters_drifted_apart_agree_after_one_parameter_round():

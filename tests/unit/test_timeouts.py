@@ -38,6 +38,7 @@ def transfers_100m(bandwidth_mbit: float = 40.0, group_size: int = 8):
     """The issue's case: 100M parameters, fp16 on the wire, the state = parameters + Lamb's two moments, fp32 model."""
     return estimate_transfers(
         parameters=100_000_000,
+        round_values_per_parameter=1,
         state_values_per_parameter=3,
         bytes_per_value=2,
         model_bytes=400_000_000,
@@ -68,9 +69,24 @@ def test_the_issue_s_gradient_round_of_100m_parameters_among_8_at_50_mbit_s_take
     assert transfers_100m(bandwidth_mbit=50.0).round_seconds == pytest.approx(56.0)  # 350 MB at 6.25 MB/s
 
 
+def test_a_low_communication_parameter_round_carries_anchor_and_momentum_so_takes_twice_as_long():
+    lowcomm = estimate_transfers(
+        parameters=100_000_000,
+        round_values_per_parameter=2,
+        state_values_per_parameter=4,
+        bytes_per_value=2,
+        model_bytes=400_000_000,
+        group_size=8,
+        bandwidth_mbit=50.0,
+    )
+    assert lowcomm.round_seconds == pytest.approx(112.0)  # 700 MB at 6.25 MB/s
+    assert derive_timeouts(lowcomm, 3.0).averaging_timeout == pytest.approx(3 + 2 * 112)
+
+
 def test_a_small_model_on_a_lan_keeps_today_s_defaults():
     transfers = estimate_transfers(
         parameters=5_000_000,
+        round_values_per_parameter=1,
         state_values_per_parameter=3,
         bytes_per_value=2,
         model_bytes=20_000_000,
