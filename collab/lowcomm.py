@@ -383,22 +383,30 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
     # Set by the thread that ends a round (hivemind's delayed step) when the round left this peer's anchor apart from
     # the swarm's; the next step asks for a parameter round, as a newcomer catching up does.
     left_apart = False
+    # Set when this peer took an outer step with no other peer in sight. Peers that start together each take their
+    # first steps so, unaware of the others: the first round it then averages with others leaves it apart too.
+    stepped_alone = False
 
     def _load_local_gradients_into_optimizer(self):
         """hivemind's fallback to this peer's own pseudo-gradient when its round failed or found no groupmate. With
         other peers in the swarm its anchor then differs from theirs, for up to ``average_state_every`` rounds."""
-        if self.tracker.global_progress.num_peers > 1:
-            self.left_apart = True
-        # hivemind loads the fallback through _load_averaged_gradients_into_optimizer_, which must not read the count
-        # of an earlier round whose average this one did not use
+        alone = self.tracker.global_progress.num_peers <= 1
+        if not alone:
+            self.left_apart = True  # its repair covers an earlier step alone too
+        # hivemind loads the fallback through _load_averaged_gradients_into_optimizer_, which must take it for no
+        # round with others: neither the count of an earlier round whose average this one did not use nor a step alone
         self.grad_averager.kept_local_last_round.value = 0
+        self.stepped_alone = False
         super()._load_local_gradients_into_optimizer()
+        self.stepped_alone = alone
 
     def _load_averaged_gradients_into_optimizer_(self):
-        """hivemind's, noting a round that averaged some values with no one (a groupmate dropped out of it): in those
-        values this peer's anchor now differs from the swarm's."""
-        if self.grad_averager.kept_local_last_round.value > 0:
+        """hivemind's, noting a round that averaged some values with no one (a groupmate dropped out of it), or the
+        first one with others after this peer stepped alone: this peer's anchor may differ from the swarm's (a
+        needless repair when the others' state came from this peer, as a lone founder's newcomers' does)."""
+        if self.grad_averager.kept_local_last_round.value > 0 or self.stepped_alone:
             self.left_apart = True
+        self.stepped_alone = False
         super()._load_averaged_gradients_into_optimizer_()
 
     def _maybe_request_repair(self) -> None:

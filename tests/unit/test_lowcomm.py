@@ -303,6 +303,37 @@ def test_a_parameter_round_makes_anchors_and_outer_momentum_whole_after_a_missed
                 optimizer.shutdown()
 
 
+def test_a_peer_that_stepped_alone_asks_for_a_repair_at_its_first_round_with_others():
+    """Peers that start together each take their first outer steps alone (no other peer in sight yet), so their
+    anchors differ from the start; none of those steps is a failed round with others, yet the first round with others
+    must ask for a parameter round (``left_apart``), and only the first."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = build_optimizer(
+            AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
+            dht,
+            PeerArguments(experiment_prefix="lowcomm_stepped_alone"),
+            OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0),
+            AveragerArguments(),
+            ProgressTrackerArguments(),
+            TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+        )
+        try:
+            assert optimizer.tracker.global_progress.num_peers <= 1  # none in sight (its own record unread yet)
+            optimizer._load_local_gradients_into_optimizer()  # hivemind's step with no other peer: its own
+            assert not optimizer.left_apart, "a step alone in a swarm of one left nothing apart yet"
+            optimizer._load_local_gradients_into_optimizer()
+            optimizer._load_averaged_gradients_into_optimizer_()  # the first round averaged with others
+            assert optimizer.left_apart
+            optimizer.left_apart = False  # as the next step's repair request does
+            optimizer._load_averaged_gradients_into_optimizer_()
+            assert not optimizer.left_apart, "a second round with others asked again"
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
+
+
 def outer_parameters(optimizer: LowCommOptimizer) -> list[torch.Tensor]:
     return [anchor for group in optimizer.state_averager.optimizer.param_groups for anchor in group["params"]]
 
