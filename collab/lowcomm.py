@@ -170,11 +170,21 @@ class OuterNesterov(torch.optim.SGD):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, keeping each momentum buffer's tensor (the loaded values copied into it): hivemind's state averager
+        averages the buffers it was built with in place (``reuse_tensors``), so a buffer replaced by a load would leave
+        parameter rounds averaging a stale copy, and the peer's momentum out of them."""
         state_dict = dict(state_dict)
         if "inner" not in state_dict:
             raise ValueError("low-communication optimizer state without the inner optimizer's ('inner')")
         self.inner.load_state_dict(state_dict.pop("inner"))
+        buffers = {
+            param: self.state[param]["momentum_buffer"] for group in self.param_groups for param in group["params"]
+        }
         super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for param, buffer in buffers.items():
+                buffer.copy_(self.state[param]["momentum_buffer"])
+                self.state[param]["momentum_buffer"] = buffer
 
 
 def outer_optimizer_factory(lr: float, momentum: float, inner: torch.optim.Optimizer) -> Callable:

@@ -268,7 +268,8 @@ def test_a_peer_alone_takes_inner_steps_then_an_outer_step_per_round():
 def test_a_parameter_round_makes_anchors_and_outer_momentum_whole_after_a_missed_round():
     """After a given-up round each peer took the outer step on its own pseudo-gradient, so anchors and outer momenta
     differ. One parameter round (as a repair request starts one) leaves both peers with the mean of each: a momentum
-    left apart would push the anchors apart again at every later outer step."""
+    left apart would push the anchors apart again at every later outer step. The second peer loaded the first's state
+    before, as a newcomer does: hivemind averages the momentum buffers it was built with, which a load must keep."""
     optimizer_args = OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0)
     training_args = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1)
     with two_dhts() as dhts:
@@ -287,6 +288,8 @@ def test_a_parameter_round_makes_anchors_and_outer_momentum_whole_after_a_missed
                         training_args,
                     )
                 )
+            veteran, newcomer = (optimizer.state_averager.optimizer for optimizer in optimizers)
+            load_optimizer_state(newcomer, *dump_optimizer_state(veteran))
             start = [anchor.detach().clone() for anchor in outer_parameters(optimizers[0])]
             for optimizer, own_pseudo_gradient in zip(optimizers, (1.0, 3.0), strict=True):
                 for anchor in outer_parameters(optimizer):
