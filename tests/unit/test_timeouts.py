@@ -34,12 +34,13 @@ from trainer.model import tiny_bert_config
 MB = 1e6
 
 
-def transfers_100m(bandwidth_mbit: float = 40.0, group_size: int = 8):
-    """The issue's case: 100M parameters, fp16 on the wire, the state = parameters + Lamb's two moments, fp32 model."""
+def transfers_100m(bandwidth_mbit: float = 40.0, group_size: int = 8, round_values: int = 1, state_values: int = 3):
+    """The issue's case: 100M parameters, fp16 on the wire, a round of one value a parameter, the state = parameters +
+    Lamb's two moments, fp32 model."""
     return estimate_transfers(
         parameters=100_000_000,
-        round_values_per_parameter=1,
-        state_values_per_parameter=3,
+        round_values_per_parameter=round_values,
+        state_values_per_parameter=state_values,
         bytes_per_value=2,
         model_bytes=400_000_000,
         group_size=group_size,
@@ -70,15 +71,7 @@ def test_the_issue_s_gradient_round_of_100m_parameters_among_8_at_50_mbit_s_take
 
 
 def test_a_low_communication_parameter_round_carries_anchor_and_momentum_so_takes_twice_as_long():
-    lowcomm = estimate_transfers(
-        parameters=100_000_000,
-        round_values_per_parameter=2,
-        state_values_per_parameter=4,
-        bytes_per_value=2,
-        model_bytes=400_000_000,
-        group_size=8,
-        bandwidth_mbit=50.0,
-    )
+    lowcomm = transfers_100m(bandwidth_mbit=50.0, round_values=2, state_values=4)
     assert lowcomm.round_seconds == pytest.approx(112.0)  # 700 MB at 6.25 MB/s
     assert derive_timeouts(lowcomm, 3.0).averaging_timeout == pytest.approx(3 + 2 * 112)
 
