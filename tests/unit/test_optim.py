@@ -265,17 +265,21 @@ def test_the_swarm_s_progress_is_read_while_a_step_waits_for_the_last_background
     try:
         optimizer = optimizer_with_defaults(model, dht, "unpaused_wait")
         try:
-            tracker_free = threading.Event()
-
-            def background_round():  # the step surely waits by 1 s; then the tracker must get its lock at times
-                time.sleep(1.0)
-                for _ in range(100):
-                    if tracker.lock_global_progress.acquire(timeout=0.01):
-                        tracker.lock_global_progress.release()
-                        tracker_free.set()
-                        return
-
+            tracker_free, step_waits = threading.Event(), threading.Event()
             tracker, averager = optimizer.tracker, optimizer.state_averager
+            step_of_averager = averager.step
+
+            def step_noting_the_wait(*args, **kwargs):  # the step's first call waits for the background round
+                step_waits.set()
+                return step_of_averager(*args, **kwargs)
+
+            def background_round():  # once the step waits for it, the tracker must get its lock within 1 s
+                step_waits.wait(timeout=10)
+                if tracker.lock_global_progress.acquire(timeout=1.0):
+                    tracker.lock_global_progress.release()
+                    tracker_free.set()
+
+            averager.step = step_noting_the_wait
             averager.pending_updates.add(averager.step_executor.submit(background_round))
             optimizer._update_global_epoch(None)
             assert tracker_free.is_set(), "the tracker stayed paused while the step waited"
