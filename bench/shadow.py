@@ -101,7 +101,7 @@ def run_shadow(config, stop) -> None:
     """One shadow peer from its root config (``main``'s ``ShadowConfig``) until ``stop``."""
     from collab import events
     from collab.dht import joined_fields, start_dht
-    from collab.optim import build_optimizer, finish_delayed_updates
+    from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates, start_state_prefetch
     from collab.schema import make_validators
 
     events.open_event_log(config.peer.events_path)
@@ -112,10 +112,14 @@ def run_shadow(config, stop) -> None:
     validators, _ = make_validators(config.peer.experiment_prefix)
     dht = start_dht(config.peer, validators)
     events.emit("joined", **joined_fields(dht, config.peer.client_mode))
-    optimizer = None
+    optimizer = prefetch = None
     try:
+        # as the trainer: the state's download begins beside the optimizer's build, and the first load takes it
+        timeouts = collaboration_timeouts(model, config.optimizer, config.averager)
+        prefetch = start_state_prefetch(dht, config.peer, config.optimizer, timeouts)
         groups = (config.peer, config.optimizer, config.averager, config.tracker, config.training)
-        optimizer = build_optimizer(model, dht, *groups)
+        optimizer = build_optimizer(model, dht, *groups, timeouts=timeouts, prefetch=prefetch)
+        optimizer.load_state_from_peers()
         if config.optimizer.local_steps > 0:
             optimizer.inner_optimizer = ShadowInnerStep(model, config.optimizer.local_steps)
         if config.shadow.ready_file:
@@ -127,6 +131,8 @@ def run_shadow(config, stop) -> None:
             time.sleep(config.shadow.micro_batch_s)  # the GPU's forward and backward
             optimizer.step(batch_size=MICRO_BATCH)
     finally:
+        if prefetch is not None:
+            prefetch.cancel()
         if optimizer is not None:
             finish_delayed_updates(optimizer, timeout=10)
             optimizer.shutdown()

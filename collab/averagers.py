@@ -504,6 +504,48 @@ def answer(future: MPFuture, result: Any) -> None:
             future.set_result(result)
 
 
+def swarm_epoch(dht: hivemind.DHT, run_id: str, own_peer_id: PeerID) -> int | None:
+    """The swarm's honest global epoch from the peers' progress records under ``run_id`` but ``own_peer_id``'s, or
+    None if unknown."""
+    records = read_progress_records(dht, run_id)
+    if not records:
+        return None
+    return honest_progress_epoch(records, get_dht_time(), exclude_peer=own_peer_id.to_bytes())
+
+
+def max_donor_epoch(swarm_epoch: int | None, timeout: float | None) -> int | None:
+    """The highest epoch a donor's state may claim: the swarm's plus the lead allowed, plus one per second of the
+    download's ``timeout`` (epochs the swarm may make meanwhile); None where the swarm's epoch is unknown."""
+    return None if swarm_epoch is None else swarm_epoch + EPOCH_LEAD_LIMIT + math.ceil(timeout or 0)
+
+
+def find_donor(dht: hivemind.DHT, prefix: str, max_epoch: float | None, excluded: set[PeerID]) -> PeerID | None:
+    """``choose_donor`` among the state averagers under ``prefix`` that advertise their state in the DHT."""
+    found = dht.get(f"{prefix}.all_averagers", latest=True)
+    advertised = found.value if found is not None and isinstance(found.value, dict) else {}
+    return choose_donor(advertised, math.inf if max_epoch is None else max_epoch, excluded)
+
+
+async def download_state(
+    p2p, averager_class: type, prefix: str, donor: PeerID, chunk_timeout: float | None
+) -> tuple[Any, list[torch.Tensor]]:
+    """The metadata and tensors ``donor``'s state averager (of ``averager_class``: hivemind names its handlers by
+    class) streams, each chunk within ``chunk_timeout`` (hivemind's loop of ``_load_state_from_peers``)."""
+    stub = averager_class.get_stub(p2p, donor, namespace=prefix)
+    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    metadata, parts, tensors = None, [], []
+    async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+        if message.metadata:
+            metadata = averager_class.serializer.loads(message.metadata)
+        if message.tensor_part.dtype and parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            parts = []
+        parts.append(message.tensor_part)
+    if parts:
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+    return metadata, tensors
+
+
 class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, FixedDecentralizedAverager):
     """hivemind's ``TrainingStateAverager`` whose parameter rounds refuse non-finite values and whose state downloads
     refuse a lying donor.
@@ -522,6 +564,9 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     """
 
     round_kind = "parameter"
+    # A download begun before the first load (collab.prefetch.StatePrefetch), which that load's first try takes
+    prefetch = None
+    download_began: float | None = None  # time.monotonic() when the last load's download began, for its event
 
     def __init__(self, *, run_id: str | None = None, **kwargs):
         self.run_id = run_id
@@ -531,29 +576,27 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
 
     def swarm_epoch(self) -> int | None:
         """The swarm's honest global epoch from the peers' progress records, or None if unknown."""
-        if self.run_id is None:
-            return None
-        records = read_progress_records(self.dht, self.run_id)
-        if not records:
-            return None
-        return honest_progress_epoch(records, get_dht_time(), exclude_peer=self.peer_id.to_bytes())
+        return None if self.run_id is None else swarm_epoch(self.dht, self.run_id, self.peer_id)
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> bool:
         """hivemind's ``TrainingStateAverager.load_state_from_peers``, refusing a lying donor (see the class);
         whether a donor's state was applied."""
         assert wait, "FiniteTrainingStateAverager.load_state_from_peers waits for the state"
-        swarm_epoch = self.swarm_epoch()
-        max_epoch = None if swarm_epoch is None else swarm_epoch + EPOCH_LEAD_LIMIT + math.ceil(timeout or 0)
+        max_epoch = max_donor_epoch(self.swarm_epoch(), timeout)
         parameters = tuple(
             chain((p for group in self.optimizer.param_groups for p in group["params"]), self.extra_tensors)
         )
         optimizer_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
         expected_shapes = [tensor.shape for tensor in chain(parameters, optimizer_tensors)]
         skipped: list[PeerID] = []
+        prefetch, self.prefetch = self.prefetch, None  # a download begun before this load serves its first try
+        self.download_began = prefetch.began if prefetch is not None else time.monotonic()
         for tries in range(MAX_DONORS_PER_LOAD):
             time.sleep(download_backoff(tries))
             self._max_donor_epoch.value = math.inf if max_epoch is None else max_epoch
-            downloaded = self._try_download(timeout, skipped)
+            downloaded = prefetch.result() if prefetch is not None and tries == 0 else None
+            if downloaded is None:
+                downloaded = self._try_download(timeout, skipped)
             if downloaded is None:
                 logger.info("No other peer could send its state; keeping this peer's own")
                 return False
@@ -623,11 +666,8 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         ``next_chunk_timeout`` (else ``request_timeout``) and the whole download at most ``timeout``, so a donor
         that trickles its state cannot hold the newcomer; a download the peer cancelled (``_try_download``) stops."""
         try:
-            key_manager = self._matchmaking.group_key_manager
-            found = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True)
-            advertised = found.value if found is not None and isinstance(found.value, dict) else {}
             excluded = {self.peer_id, *map(PeerID.from_base58, skipped)}
-            donor = choose_donor(advertised, self._max_donor_epoch.value, excluded)
+            donor = find_donor(self.dht, self.prefix, self._max_donor_epoch.value, excluded)
             if donor is None:
                 return
             logger.info("Downloading the state from peer %s", donor)
@@ -652,21 +692,8 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             answer(future, None)
 
     async def _download_state_from(self, donor: PeerID) -> tuple[Any, list[torch.Tensor]]:
-        """The metadata and tensors ``donor`` streams (hivemind's loop of ``_load_state_from_peers``)."""
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
-        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, parts, tensors = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return metadata, tensors
+        return await download_state(self._p2p, type(self), self.prefix, donor, chunk_timeout)
 
 
 class BoundedLoadOptimizer(hivemind.Optimizer):

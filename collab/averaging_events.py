@@ -233,6 +233,8 @@ class OptimizerEventsMixin:
         super().load_state_from_peers(**kwargs)
         if self.local_epoch > epoch_before:
             averager = self.state_averager
+            began = getattr(averager, "download_began", None)  # earlier than the load where begun at start-up
+            started = started if began is None else min(started, began)
             events.emit(
                 "state_loaded",
                 epoch=self.local_epoch,

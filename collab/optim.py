@@ -48,6 +48,7 @@ from collab.lowcomm import (
     parameter_round_every,
     progress_report_period,
 )
+from collab.prefetch import StatePrefetch
 from collab.repairs import RepairRequests
 from collab.timeouts import FP16_BYTES, Timeouts, derive_timeouts, estimate_transfers
 
@@ -301,6 +302,7 @@ def build_optimizer(
     training_args: TrainingArguments,
     tracker_private_key=None,
     timeouts: Timeouts | None = None,
+    prefetch: StatePrefetch | None = None,
 ) -> hivemind.Optimizer:
     """hivemind.Optimizer over Lamb: accumulate to the collaboration's target batch, average fp16 gradients, step.
     With ``--local_steps`` > 0, the low-communication mode instead (``collab.lowcomm``, arguments from
@@ -310,7 +312,8 @@ def build_optimizer(
 
     ``tracker_private_key``: the RSA key that signs this optimizer's progress records and repair requests, as
     hivemind's ProgressTracker takes it; the process's own key unless given, so two optimizers in one process need
-    one each. ``timeouts``: ``collaboration_timeouts``' when not given.
+    one each. ``timeouts``: ``collaboration_timeouts``' when not given. ``prefetch``: a state download begun before
+    (``start_state_prefetch``), which the first load of the state from peers takes.
     """
     if timeouts is None:
         timeouts = collaboration_timeouts(model, optimizer_args, averager_args)
@@ -342,12 +345,11 @@ def build_optimizer(
             grad_compression=gradient_compression(optimizer_args.grad_compression),
             grad_averager_factory=FiniteGradientAverager,
         )
-    optimizer_class = LowCommOptimizer if optimizer_args.local_steps > 0 else FiniteAveragingOptimizer
     state_every = parameter_round_every(
         optimizer_args.average_state_every, optimizer_args.local_steps, optimizer_args.pseudo_grad_compression
     )
     logger.info("Parameter rounds every %d global epochs", state_every)
-    return optimizer_class(
+    optimizer = optimizer_class(optimizer_args)(
         dht=dht,
         run_id=peer_args.experiment_prefix,
         target_batch_size=optimizer_args.target_batch_size - optimizer_args.batch_size_lead,
@@ -367,6 +369,23 @@ def build_optimizer(
         tracker_opts=tracker_opts,
         verbose=True,
         **mode,
+    )
+    optimizer.state_averager.prefetch = prefetch
+    return optimizer
+
+
+def optimizer_class(optimizer_args: OptimizerArguments) -> type[hivemind.Optimizer]:
+    return LowCommOptimizer if optimizer_args.local_steps > 0 else FiniteAveragingOptimizer
+
+
+def start_state_prefetch(
+    dht: hivemind.DHT, peer_args: PeerArguments, optimizer_args: OptimizerArguments, timeouts: Timeouts
+) -> StatePrefetch:
+    """The peer's first download of the swarm's state, begun as soon as its DHT is up (``collab.prefetch``): pass it
+    to ``build_optimizer``, and cancel it if the peer stops before its first load."""
+    averager_class = optimizer_class(optimizer_args).state_averager_class
+    return StatePrefetch.start(
+        dht, peer_args.experiment_prefix, averager_class, timeouts.load_state_timeout, timeouts.next_chunk_timeout
     )
 
 

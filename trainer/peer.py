@@ -10,7 +10,7 @@ from arguments import PeerConfig
 from collab import events, signals
 from collab.callback import CollaborativeCallback, read_resume_point
 from collab.dht import joined_fields, start_dht
-from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates
+from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates, start_state_prefetch
 from collab.schema import make_validators
 from collab.storage import atomic_directory
 from trainer import ranks
@@ -74,10 +74,11 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
     validators, public_key = make_validators(config.peer.experiment_prefix)
     dht = start_dht(config.peer, validators)
     events.emit("joined", **joined_fields(dht, config.peer.client_mode))
-    optimizer = None
+    optimizer = prefetch = None
     try:
         timeouts = collaboration_timeouts(model, config.optimizer, config.averager)
         signals.set_shutdown_deadline(timeouts.shutdown_deadline)
+        prefetch = start_state_prefetch(dht, config.peer, config.optimizer, timeouts)
         optimizer = build_optimizer(
             model,
             dht,
@@ -87,6 +88,7 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
             config.tracker,
             config.training,
             timeouts=timeouts,
+            prefetch=prefetch,
         )
         optimizer.leaving = stop
         callback = CollaborativeCallback(
@@ -111,6 +113,8 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
         )
         summary = train(model, optimizer, callback, batches, config.training, device, stop, amp_dtype, sharded_model)
     finally:
+        if prefetch is not None:
+            prefetch.cancel()  # a download the peer stopped before taking
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
             # hivemind's shutdown announces the departure first, and peers would then skip our last round.

@@ -28,6 +28,7 @@ from collab.averagers import (
     state_refusal,
 )
 from collab.hivemind_fixes import SpacedProgressTracker, progress_key, records_within_reach
+from collab.prefetch import StatePrefetch
 from tests.local_dht import average_parameters_once, two_dhts
 from trainer.local import wait_until
 
@@ -203,6 +204,51 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
                 averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_download_begun_at_start_up_is_applied_by_the_first_load_after_its_donor_left():
+    """``StatePrefetch`` downloads before the newcomer has an averager (as a peer's optimizer is still being built);
+    the donor then leaves, and the newcomer's first load applies what was downloaded, counted as one try begun when
+    the download did. Without it the load finds no donor left and keeps the newcomer's own state."""
+    with two_dhts() as (first, second):
+        donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+        newcomer = None
+        try:
+            donor.local_epoch = donor.state_sharing_priority = 5
+            donor.allow_state_sharing = True
+            first.store(progress_key("download_test"), progress(5), get_dht_time() + 300, subkey=b"donor")
+            wait_until(
+                lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
+                30,
+                "the donor to declare its state",
+                poll=0.1,
+            )
+            prefetch = StatePrefetch.start(second, "download_test", FiniteTrainingStateAverager, 10.0, 5.0)
+            wait_until(prefetch.done, 30, "the download begun at start-up", poll=0.1)
+            donor.shutdown()
+            newcomer = make_averager(
+                FiniteTrainingStateAverager, second, 0.0, run_id="download_test", allow_state_sharing=False
+            )
+            newcomer.prefetch = prefetch
+            assert newcomer.load_state_from_peers(timeout=10) is True
+            assert newcomer.local_epoch == 5 and newcomer.download_tries == 1
+            assert newcomer.download_began == prefetch.began
+            for param in newcomer.main_parameters:
+                assert torch.equal(param, torch.ones_like(param))
+            assert newcomer.prefetch is None  # taken once: a later load downloads afresh
+        finally:
+            for averager in (donor, newcomer):
+                if averager is not None:
+                    with contextlib.suppress(Exception):
+                        averager.shutdown()
+
+
+def test_a_founder_s_download_at_start_up_finds_no_donor_and_ends_at_once():
+    with two_dhts() as (_, dht):
+        started = time.monotonic()
+        prefetch = StatePrefetch.start(dht, "no_swarm_yet", FiniteTrainingStateAverager, 10.0, 5.0)
+        assert prefetch.result() is None
+        assert time.monotonic() - started < 5.0
 
 
 def test_peers_whose_parameters_drifted_apart_agree_after_one_parameter_round():
