@@ -15,8 +15,8 @@ down).
 Figures, from the newcomer's events and its link's kernel counters:
 
 - ``download_s`` and ``download_vs_bound``: the download's time over the bound (the bytes its link received while
-  it downloaded, through ``--mbit``), ``tries`` (downloads the load took: 1 means no retry) and ``loads`` (times the
-  peer found itself out of sync and loaded the state: 1 means no reload loop);
+  it downloaded, through ``--mbit``), ``tries`` (downloads the load took: 1 means no retry) and ``loads`` (loads that
+  moved the peer to a newer state, its ``state_loaded`` events: 1 means no reload loop);
 - ``join_seconds_vs_bound``: from its ``joined`` event to its first gradient round with its own samples, over the
   bound (``bench.swarm.join_seconds_vs_bound``, the issue's figure, goal 1.5).
 
@@ -131,7 +131,7 @@ def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: Seque
         "bound_s": bound_s,
         "download_vs_bound": loaded["seconds"] / bound_s if bound_s else None,
         "tries": loaded.get("tries"),
-        "loads": sum(record["event"] == "out_of_sync" for record in events),
+        "loads": sum(record["event"] == "state_loaded" for record in events),
         "state_epoch": loaded["epoch"],
         "caught_up_s": next((r["seconds"] for r in events if r["event"] == "caught_up"), None),
         "repairs_requested": sum(record["event"] == "repair_requested" for record in events),
