@@ -61,6 +61,7 @@ class StatePrefetch:
         if not self._done.wait(self.timeout + RESULT_MARGIN):
             logger.warning("The state download begun at start-up did not end in time: cancelled")
             self.cancel()
+            self._done.wait(4 * CANCEL_POLL)  # then it ends as a failed try of its donor
         result, self._result = self._result, None  # the tensors are the load's now
         return result
 

@@ -6,6 +6,8 @@ import concurrent.futures
 import contextlib
 import functools
 import multiprocessing as mp
+import os
+import signal
 import time
 
 import hivemind
@@ -249,6 +251,34 @@ def test_a_founder_s_download_at_start_up_finds_no_donor_and_ends_at_once():
         prefetch = StatePrefetch.start(dht, "no_swarm_yet", FiniteTrainingStateAverager, 10.0, 5.0)
         assert prefetch.result() is None
         assert time.monotonic() - started < 5.0
+
+
+def test_a_download_at_start_up_stops_once_cancelled_and_counts_as_its_donor_s_failed_try():
+    """A peer asked to stop while its download at start-up waits on a donor that does not answer (its averager's
+    process stopped by SIGSTOP, its p2p daemon still accepting) is not held by it: the download stops within a poll,
+    as a failed try of that donor, which a load would then skip."""
+    with two_dhts() as (first, second):
+        donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+        try:
+            donor.local_epoch = donor.state_sharing_priority = 5
+            donor.allow_state_sharing = True
+            wait_until(
+                lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
+                30,
+                "the donor to declare its state",
+                poll=0.1,
+            )
+            os.kill(donor.pid, signal.SIGSTOP)
+            prefetch = StatePrefetch.start(second, "download_test", FiniteTrainingStateAverager, 60.0, 30.0)
+            time.sleep(2.0)
+            assert not prefetch.done(), "the download from a donor that does not answer ended"
+            cancelled = time.monotonic()
+            prefetch.cancel()
+            assert prefetch.result() == (first.peer_id, None, None)
+            assert time.monotonic() - cancelled < 5.0
+        finally:
+            os.kill(donor.pid, signal.SIGCONT)
+            donor.shutdown()
 
 
 def test_peers_whose_parameters_drifted_apart_agree_after_one_parameter_round():
