@@ -1,12 +1,12 @@
 """A newcomer's state download begun as soon as its DHT is up, beside the build of its optimizer.
 
 hivemind downloads the state once the optimizer exists (its averagers serve and fetch it). Building that optimizer
-touches every buffer it allocates: about 15 s at 124M parameters on a 2-core machine, time a newcomer's link would
-otherwise spend idle before a download of minutes. ``StatePrefetch`` makes the first try of the first load earlier, in
-a thread of its own with its own connection to the DHT's p2p daemon; the load then takes its result
-(``FiniteTrainingStateAverager.load_state_from_peers``) and checks and applies it as any other try's. It picks its
-donor and bounds the donor's epoch and its own time as that load does, and downloads nothing where no peer
-advertises a state (a founder).
+touches every buffer it allocates, seconds to tens of seconds for a large model during which a newcomer's link would
+sit idle (docs/benchmarks/2026-11-30-intel-xeon-2core-join-prefetch.md). ``StatePrefetch`` makes the first try of
+the first load earlier, in a thread of its own with its own connection to the DHT's p2p daemon; the load then takes
+its result (``FiniteTrainingStateAverager.load_state_from_peers``) and checks and applies it as any other try's. It
+picks its donor and bounds the donor's epoch and its own time as that load does, and downloads nothing where no
+peer advertises a state (a founder).
 """
 
 from __future__ import annotations
