@@ -57,7 +57,7 @@ from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -527,14 +527,28 @@ def find_donor(dht: hivemind.DHT, prefix: str, max_epoch: float | None, excluded
 
 
 async def download_state(
-    p2p, averager_class: type, prefix: str, donor: PeerID, chunk_timeout: float | None
+    p2p,
+    averager_class: type,
+    prefix: str,
+    donor: PeerID,
+    chunk_timeout: float | None,
+    first_chunk_timeout: float | None = None,
 ) -> tuple[Any, list[torch.Tensor]]:
     """The metadata and tensors ``donor``'s state averager (of ``averager_class``: hivemind names its handlers by
-    class) streams, each chunk within ``chunk_timeout`` (hivemind's loop of ``_load_state_from_peers``)."""
+    class) streams, each chunk within ``chunk_timeout`` (hivemind's loop of ``_load_state_from_peers``) but the
+    first, within ``first_chunk_timeout`` where longer: a donor serves its state only between its parameter rounds
+    (hivemind's all-reduce holds the averaged tensors' lock), so a download asked during one waits for its end,
+    up to the averaging timeout, instead of failing after a chunk's time."""
     stub = averager_class.get_stub(p2p, donor, namespace=prefix)
-    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    stream = (await stub.rpc_download_state(averaging_pb2.DownloadRequest())).__aiter__()
     metadata, parts, tensors = None, [], []
-    async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+    timeout = chunk_timeout if first_chunk_timeout is None else max(first_chunk_timeout, chunk_timeout or 0.0)
+    while True:
+        try:
+            message = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
+        except StopAsyncIteration:
+            break
+        timeout = chunk_timeout
         if message.metadata:
             metadata = averager_class.serializer.loads(message.metadata)
         if message.tensor_part.dtype and parts:
@@ -663,8 +677,9 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         """Runs in the averager's process: download from the one donor advertising the highest epoch not past the
         limit (ties broken at random), other than this peer and ``skipped``; result ``(donor, metadata, tensors)``,
         ``(donor, None, None)`` if it failed, None if there is no donor. Each chunk waits at most
-        ``next_chunk_timeout`` (else ``request_timeout``) and the whole download at most ``timeout``, so a donor
-        that trickles its state cannot hold the newcomer; a download the peer cancelled (``_try_download``) stops."""
+        ``next_chunk_timeout`` (else ``request_timeout``; the first, the averaging timeout: ``download_state``) and
+        the whole download at most ``timeout``, so a donor that trickles its state cannot hold the newcomer; a
+        download the peer cancelled (``_try_download``) stops."""
         try:
             excluded = {self.peer_id, *map(PeerID.from_base58, skipped)}
             donor = find_donor(self.dht, self.prefix, self._max_donor_epoch.value, excluded)
@@ -693,7 +708,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
 
     async def _download_state_from(self, donor: PeerID) -> tuple[Any, list[torch.Tensor]]:
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
-        return await download_state(self._p2p, type(self), self.prefix, donor, chunk_timeout)
+        return await download_state(self._p2p, type(self), self.prefix, donor, chunk_timeout, self._allreduce_timeout)
 
 
 class BoundedLoadOptimizer(hivemind.Optimizer):

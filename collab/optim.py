@@ -385,7 +385,12 @@ def start_state_prefetch(
     to ``build_optimizer``, and cancel it if the peer stops before its first load."""
     averager_class = optimizer_class(optimizer_args).state_averager_class
     return StatePrefetch.start(
-        dht, peer_args.experiment_prefix, averager_class, timeouts.load_state_timeout, timeouts.next_chunk_timeout
+        dht,
+        peer_args.experiment_prefix,
+        averager_class,
+        timeouts.load_state_timeout,
+        timeouts.next_chunk_timeout,
+        first_chunk_timeout=timeouts.averaging_timeout,
     )
 
 

@@ -40,10 +40,11 @@ class StatePrefetch:
         averager_class: type,
         timeout: float,
         chunk_timeout: float | None,
+        first_chunk_timeout: float | None = None,
     ):
         self.dht, self.run_id, self.averager_class = dht, run_id, averager_class
         self.prefix = f"{run_id}_state_averager"  # hivemind.Optimizer's name for its state averager
-        self.timeout, self.chunk_timeout = timeout, chunk_timeout
+        self.timeout, self.chunk_timeout, self.first_chunk_timeout = timeout, chunk_timeout, first_chunk_timeout
         self.began = time.monotonic()
         self._result: tuple[Any, ...] | None = None
         self._done, self._cancelled = threading.Event(), threading.Event()
@@ -92,7 +93,9 @@ class StatePrefetch:
         p2p = await P2P.replicate(self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr))
         try:
             download = asyncio.create_task(
-                download_state(p2p, self.averager_class, self.prefix, donor, self.chunk_timeout)
+                download_state(
+                    p2p, self.averager_class, self.prefix, donor, self.chunk_timeout, self.first_chunk_timeout
+                )
             )
             deadline = time.monotonic() + self.timeout
             while not download.done() and not self._cancelled.is_set() and time.monotonic() < deadline:

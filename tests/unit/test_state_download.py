@@ -8,6 +8,7 @@ import functools
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import hivemind
@@ -238,6 +239,45 @@ def test_a_download_begun_at_start_up_is_applied_by_the_first_load_after_its_don
             for param in newcomer.main_parameters:
                 assert torch.equal(param, torch.ones_like(param))
             assert newcomer.prefetch is None  # taken once: a later load downloads afresh
+        finally:
+            for averager in (donor, newcomer):
+                if averager is not None:
+                    with contextlib.suppress(Exception):
+                        averager.shutdown()
+
+
+def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round_s_end():
+    """hivemind's all-reduce holds the averaged tensors' lock for the whole round, and a donor serves its state only
+    under that lock: here the lock is held 3 s, as by a round. The newcomer waits up to its averaging timeout for the
+    first chunk and gets the state; with the chunk timeout (1 s) for it, the try failed and the load kept its own."""
+    with two_dhts() as (first, second):
+        donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+        newcomer = None
+        try:
+            donor.local_epoch = donor.state_sharing_priority = 5
+            donor.allow_state_sharing = True
+            first.store(progress_key("download_test"), progress(5), get_dht_time() + 300, subkey=b"donor")
+            newcomer = make_averager(
+                FiniteTrainingStateAverager,
+                second,
+                0.0,
+                run_id="download_test",
+                allow_state_sharing=False,
+                next_chunk_timeout=1.0,
+                allreduce_timeout=20.0,
+            )
+            wait_until(
+                lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
+                30,
+                "the donor to declare its state",
+                poll=0.1,
+            )
+            donor.lock_averaged_tensors.acquire()  # a parameter round begins
+            threading.Timer(3.0, donor.lock_averaged_tensors.release).start()
+            started = time.monotonic()
+            assert newcomer.load_state_from_peers(timeout=15) is True
+            assert time.monotonic() - started > 2.5, "the state was served during the round"
+            assert newcomer.local_epoch == 5 and newcomer.download_tries == 1
         finally:
             for averager in (donor, newcomer):
                 if averager is not None:
