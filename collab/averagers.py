@@ -537,8 +537,8 @@ async def download_state(
     """The metadata and tensors ``donor``'s state averager (of ``averager_class``: hivemind names its handlers by
     class) streams, each chunk within ``chunk_timeout`` (hivemind's loop of ``_load_state_from_peers``) but the
     first, within ``first_chunk_timeout`` where longer: a donor serves its state only between its parameter rounds
-    (hivemind's all-reduce holds the averaged tensors' lock), so a download asked during one waits for its end,
-    up to the averaging timeout, instead of failing after a chunk's time."""
+    (hivemind's all-reduce holds the averaged tensors' lock), so a download asked during one may wait for its end
+    (``Timeouts.first_chunk_timeout``) instead of failing after a chunk's time."""
     stub = averager_class.get_stub(p2p, donor, namespace=prefix)
     stream = (await stub.rpc_download_state(averaging_pb2.DownloadRequest())).__aiter__()
     metadata, parts, tensors = None, [], []
@@ -581,6 +581,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     # A download begun before the first load (collab.prefetch.StatePrefetch), which that load's first try takes
     prefetch = None
     download_began: float | None = None  # time.monotonic() when the last load's download began, for its event
+    first_chunk_timeout: float | None = None  # Timeouts.first_chunk_timeout; None: next_chunk_timeout
 
     def __init__(self, *, run_id: str | None = None, **kwargs):
         self.run_id = run_id
@@ -637,7 +638,12 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             (
                 "_load_state_from_peers",
                 [],
-                dict(timeout=timeout, future=future, skipped=tuple(peer.to_base58() for peer in skipped)),
+                dict(
+                    timeout=timeout,
+                    future=future,
+                    skipped=tuple(peer.to_base58() for peer in skipped),
+                    first_chunk_timeout=self.first_chunk_timeout,  # set after the averager's process began
+                ),
             )
         )
         try:
@@ -672,12 +678,16 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         bring_scheduler_to_epoch(self.scheduler, self.local_epoch)
 
     async def _load_state_from_peers(
-        self, future: MPFuture, timeout: float | None = None, skipped: Sequence[str] = ()
+        self,
+        future: MPFuture,
+        timeout: float | None = None,
+        skipped: Sequence[str] = (),
+        first_chunk_timeout: float | None = None,
     ):
         """Runs in the averager's process: download from the one donor advertising the highest epoch not past the
         limit (ties broken at random), other than this peer and ``skipped``; result ``(donor, metadata, tensors)``,
         ``(donor, None, None)`` if it failed, None if there is no donor. Each chunk waits at most
-        ``next_chunk_timeout`` (else ``request_timeout``; the first, the averaging timeout: ``download_state``) and
+        ``next_chunk_timeout`` (else ``request_timeout``; the first, ``first_chunk_timeout``: ``download_state``) and
         the whole download at most ``timeout``, so a donor that trickles its state cannot hold the newcomer; a
         download the peer cancelled (``_try_download``) stops."""
         try:
@@ -686,7 +696,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             if donor is None:
                 return
             logger.info("Downloading the state from peer %s", donor)
-            download = asyncio.create_task(self._download_state_from(donor))
+            download = asyncio.create_task(self._download_state_from(donor, first_chunk_timeout))
             abandoned = asyncio.create_task(until_done(future))
             try:
                 await asyncio.wait({download, abandoned}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -706,9 +716,11 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         finally:
             answer(future, None)
 
-    async def _download_state_from(self, donor: PeerID) -> tuple[Any, list[torch.Tensor]]:
+    async def _download_state_from(
+        self, donor: PeerID, first_chunk_timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]]:
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
-        return await download_state(self._p2p, type(self), self.prefix, donor, chunk_timeout, self._allreduce_timeout)
+        return await download_state(self._p2p, type(self), self.prefix, donor, chunk_timeout, first_chunk_timeout)
 
 
 class BoundedLoadOptimizer(hivemind.Optimizer):

@@ -371,6 +371,7 @@ def build_optimizer(
         **mode,
     )
     optimizer.state_averager.prefetch = prefetch
+    optimizer.state_averager.first_chunk_timeout = timeouts.first_chunk_timeout
     return optimizer
 
 
@@ -390,7 +391,7 @@ def start_state_prefetch(
         averager_class,
         timeouts.load_state_timeout,
         timeouts.next_chunk_timeout,
-        first_chunk_timeout=timeouts.averaging_timeout,
+        first_chunk_timeout=timeouts.first_chunk_timeout,
     )
 
 

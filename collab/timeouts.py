@@ -82,6 +82,9 @@ class Timeouts:
     shutdown_averaging_wait: float
     shutdown_deadline: float
     how: str
+    # A state download's first chunk: a donor serves between its parameter rounds, so a download asked during one
+    # waits for a round's time (ROUND_MARGIN x round, within the averaging timeout), then tries another donor
+    first_chunk_timeout: float | None = None
 
     def describe(self) -> str:
         """One line for the log: every value and how it was derived."""
@@ -184,7 +187,8 @@ def derive_timeouts(
         if value is not None
     ]
     how = transfers.how + (f"; {', '.join(given)} as given" if given else "")
-    return Timeouts(averaging, chunk, load, wait, deadline, how)
+    first_chunk = min(averaging, max(chunk, ROUND_MARGIN * transfers.round_seconds))
+    return Timeouts(averaging, chunk, load, wait, deadline, how, first_chunk)
 
 
 def part_timeout_need(latest_start: float, dropped: bool, timeout: float) -> float:

@@ -248,8 +248,9 @@ def test_a_download_begun_at_start_up_is_applied_by_the_first_load_after_its_don
 
 def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round_s_end():
     """hivemind's all-reduce holds the averaged tensors' lock for the whole round, and a donor serves its state only
-    under that lock: here the lock is held 3 s, as by a round. The newcomer waits up to its averaging timeout for the
-    first chunk and gets the state; with the chunk timeout (1 s) for it, the try failed and the load kept its own."""
+    under that lock: here the lock is held 3 s, as by a round. The newcomer waits up to its ``first_chunk_timeout``
+    (20 s) for the first chunk and gets the state; with the chunk timeout (1 s) for it, the try failed and the load
+    kept its own."""
     with two_dhts() as (first, second):
         donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
         newcomer = None
@@ -264,8 +265,8 @@ def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round
                 run_id="download_test",
                 allow_state_sharing=False,
                 next_chunk_timeout=1.0,
-                allreduce_timeout=20.0,
             )
+            newcomer.first_chunk_timeout = 20.0
             wait_until(
                 lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
                 30,

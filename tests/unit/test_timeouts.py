@@ -58,6 +58,7 @@ def test_a_100m_parameter_state_over_40_mbit_s_gets_timeouts_it_can_meet():
     assert transfers.save_seconds == pytest.approx(8.0)  # 400 MB at 50 MB/s
     timeouts = derive_timeouts(transfers, matchmaking_time=3.0)
     assert timeouts.averaging_timeout == pytest.approx(3 + 2 * 70)  # matchmaking, then twice the round
+    assert timeouts.first_chunk_timeout == pytest.approx(2 * 70)  # a donor's parameter round, twice its bytes' time
     assert timeouts.next_chunk_timeout == 3.0  # 2 x 0.73 s is under the floor, matchmaking_time
     assert timeouts.load_state_timeout == pytest.approx(240.0)  # twice 120 s: over the 150 s the download needs
     assert timeouts.shutdown_averaging_wait == pytest.approx(140.0)
@@ -173,6 +174,8 @@ def test_derived_timeouts_reach_hivemind_s_optimizer_and_averagers_and_flags_sti
         assert optimizer.load_state_timeout == pytest.approx(expected_load)
         for averager in (optimizer.state_averager, optimizer.grad_averager):
             assert averager.next_chunk_timeout == pytest.approx(expected_chunk)
+        expected_first_chunk = min(expected_averaging, max(expected_chunk, 2 * round_seconds))
+        assert optimizer.state_averager.first_chunk_timeout == pytest.approx(expected_first_chunk)
         optimizer.shutdown()
         monitor = build_state_averager(model, dht, *settings, TrainingArguments())  # the same RPC names: one at a time
         assert monitor.next_chunk_timeout == pytest.approx(expected_chunk)
