@@ -15,7 +15,9 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
   through its upload. ``averaging_timeout`` gives a round ``ROUND_MARGIN`` times that after ``matchmaking_time``.
 - The next chunk of a round: a sender's upload is shared among its ``n-1`` streams, so one part of
   ``PART_BYTES`` takes ``n-1`` parts' time.
-- A state download: the state's bytes through the donor's upload, ``DOWNLOAD_MARGIN`` times over.
+- A state download: the state's bytes through the donor's upload, ``DOWNLOAD_MARGIN`` times over. Its first chunk
+  may wait for the donor's parameter round to end (hivemind serves the state between rounds): ``ROUND_MARGIN`` times
+  a round, within the averaging timeout and at least a chunk's time (``first_chunk_timeout``).
 - Late groupmates: each peer starts its part of a pre-scheduled round when its own step begins, and groupmates that
   notice the epoch's end later (a slower step, a slower DHT) start later. A groupmate that starts after the sender
   timeout is dropped from the round and its values stay unaveraged. Each averager lengthens its sender timeout
