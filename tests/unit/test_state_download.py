@@ -209,23 +209,34 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
             dht.shutdown()
 
 
+@contextlib.contextmanager
+def declared_donor(first: hivemind.DHT, second: hivemind.DHT, epoch: int = 5):
+    """A donor on ``first`` whose parameters hold 1.0, at ``epoch`` (its progress record too, which bounds the epoch
+    a newcomer accepts), once ``second`` sees its state declared; shut down afterwards (again, if a test did)."""
+    donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+    try:
+        donor.local_epoch = donor.state_sharing_priority = epoch
+        donor.allow_state_sharing = True
+        first.store(progress_key("download_test"), progress(epoch), get_dht_time() + 300, subkey=b"donor")
+        wait_until(
+            lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
+            30,
+            "the donor to declare its state",
+            poll=0.1,
+        )
+        yield donor
+    finally:
+        with contextlib.suppress(Exception):
+            donor.shutdown()
+
+
 def test_a_download_begun_at_start_up_is_applied_by_the_first_load_after_its_donor_left():
     """``StatePrefetch`` downloads before the newcomer has an averager (as a peer's optimizer is still being built);
     the donor then leaves, and the newcomer's first load applies what was downloaded, counted as one try begun when
     the download did. Without it the load finds no donor left and keeps the newcomer's own state."""
-    with two_dhts() as (first, second):
-        donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+    with two_dhts() as (first, second), declared_donor(first, second) as donor:
         newcomer = None
         try:
-            donor.local_epoch = donor.state_sharing_priority = 5
-            donor.allow_state_sharing = True
-            first.store(progress_key("download_test"), progress(5), get_dht_time() + 300, subkey=b"donor")
-            wait_until(
-                lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
-                30,
-                "the donor to declare its state",
-                poll=0.1,
-            )
             prefetch = StatePrefetch.start(second, "download_test", FiniteTrainingStateAverager, 10.0, 5.0)
             wait_until(prefetch.done, 30, "the download begun at start-up", poll=0.1)
             donor.shutdown()
@@ -240,10 +251,8 @@ def test_a_download_begun_at_start_up_is_applied_by_the_first_load_after_its_don
                 assert torch.equal(param, torch.ones_like(param))
             assert newcomer.prefetch is None  # taken once: a later load downloads afresh
         finally:
-            for averager in (donor, newcomer):
-                if averager is not None:
-                    with contextlib.suppress(Exception):
-                        averager.shutdown()
+            if newcomer is not None:
+                newcomer.shutdown()
 
 
 def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round_s_end():
@@ -251,13 +260,9 @@ def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round
     under that lock: here the lock is held 3 s, as by a round. The newcomer waits up to its ``first_chunk_timeout``
     (20 s) for the first chunk and gets the state; with the chunk timeout (1 s) for it, the try failed and the load
     kept its own."""
-    with two_dhts() as (first, second):
-        donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+    with two_dhts() as (first, second), declared_donor(first, second) as donor:
         newcomer = None
         try:
-            donor.local_epoch = donor.state_sharing_priority = 5
-            donor.allow_state_sharing = True
-            first.store(progress_key("download_test"), progress(5), get_dht_time() + 300, subkey=b"donor")
             newcomer = make_averager(
                 FiniteTrainingStateAverager,
                 second,
@@ -267,12 +272,6 @@ def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round
                 next_chunk_timeout=1.0,
             )
             newcomer.first_chunk_timeout = 20.0
-            wait_until(
-                lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
-                30,
-                "the donor to declare its state",
-                poll=0.1,
-            )
             donor.lock_averaged_tensors.acquire()  # a parameter round begins
             threading.Timer(3.0, donor.lock_averaged_tensors.release).start()
             started = time.monotonic()
@@ -280,10 +279,8 @@ def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round
             assert time.monotonic() - started > 2.5, "the state was served during the round"
             assert newcomer.local_epoch == 5 and newcomer.download_tries == 1
         finally:
-            for averager in (donor, newcomer):
-                if averager is not None:
-                    with contextlib.suppress(Exception):
-                        averager.shutdown()
+            if newcomer is not None:
+                newcomer.shutdown()
 
 
 def test_a_founder_s_download_at_start_up_finds_no_donor_and_ends_at_once():
@@ -298,17 +295,8 @@ def test_a_download_at_start_up_stops_once_cancelled_and_counts_as_its_donor_s_f
     """A peer asked to stop while its download at start-up waits on a donor that does not answer (its averager's
     process stopped by SIGSTOP, its p2p daemon still accepting) is not held by it: the download stops within a poll,
     as a failed try of that donor, which a load would then skip."""
-    with two_dhts() as (first, second):
-        donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+    with two_dhts() as (first, second), declared_donor(first, second) as donor:
         try:
-            donor.local_epoch = donor.state_sharing_priority = 5
-            donor.allow_state_sharing = True
-            wait_until(
-                lambda: len((second.get("download_test_state_averager.all_averagers", latest=True) or [{}])[0]) == 1,
-                30,
-                "the donor to declare its state",
-                poll=0.1,
-            )
             os.kill(donor.pid, signal.SIGSTOP)
             prefetch = StatePrefetch.start(second, "download_test", FiniteTrainingStateAverager, 60.0, 30.0)
             time.sleep(2.0)
@@ -319,7 +307,6 @@ def test_a_download_at_start_up_stops_once_cancelled_and_counts_as_its_donor_s_f
             assert time.monotonic() - cancelled < 5.0
         finally:
             os.kill(donor.pid, signal.SIGCONT)
-            donor.shutdown()
 
 
 def test_peers_whose_parameters_drifted_apart_agree_after_one_parameter_round():
