@@ -31,7 +31,8 @@ RESULT_MARGIN = 30.0  # seconds a load waits for a prefetch past its timeout: it
 class StatePrefetch:
     """One download of the swarm's state, begun now in a daemon thread (``start``). ``result()`` waits for it and
     gives ``(donor, metadata, tensors)``, ``(donor, None, None)`` for a failed try, or None where no donor was found;
-    ``cancel()`` stops it. ``began`` is when it began (``time.monotonic()``)."""
+    ``cancel()`` stops it. ``began`` is when it began (``time.monotonic()``); ``donor``, the peer it asks, once
+    chosen."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class StatePrefetch:
         self.prefix = f"{run_id}_state_averager"  # hivemind.Optimizer's name for its state averager
         self.timeout, self.chunk_timeout, self.first_chunk_timeout = timeout, chunk_timeout, first_chunk_timeout
         self.began = time.monotonic()
+        self.donor: PeerID | None = None
         self._result: tuple[Any, ...] | None = None
         self._done, self._cancelled = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="state-prefetch", daemon=True)
@@ -73,18 +75,17 @@ class StatePrefetch:
         self._cancelled.set()
 
     def _run(self) -> None:
-        donor = None
         try:
             peer_id = self.dht.peer_id
             max_epoch = max_donor_epoch(swarm_epoch(self.dht, self.run_id, peer_id), self.timeout)
-            donor = find_donor(self.dht, self.prefix, max_epoch, {peer_id})
-            if donor is None or self._cancelled.is_set():
+            self.donor = find_donor(self.dht, self.prefix, max_epoch, {peer_id})
+            if self.donor is None or self._cancelled.is_set():
                 return
-            logger.info("Downloading the state from peer %s while this peer starts", donor)
-            self._result = asyncio.run(self._download(donor))
+            logger.info("Downloading the state from peer %s while this peer starts", self.donor)
+            self._result = asyncio.run(self._download(self.donor))
         except Exception as e:
             logger.warning("The state download begun at start-up failed: %r", e)
-            self._result = None if donor is None else (donor, None, None)
+            self._result = None if self.donor is None else (self.donor, None, None)
         finally:
             self._done.set()
 

@@ -299,8 +299,8 @@ def test_a_download_at_start_up_stops_once_cancelled_and_counts_as_its_donor_s_f
         try:
             os.kill(donor.pid, signal.SIGSTOP)
             prefetch = StatePrefetch.start(second, "download_test", FiniteTrainingStateAverager, 60.0, 30.0)
-            time.sleep(2.0)
-            assert not prefetch.done(), "the download from a donor that does not answer ended"
+            wait_until(lambda: prefetch.donor is not None, 30, "the download to choose its donor", poll=0.05)
+            assert not prefetch._done.wait(1.0), "the download from a donor that does not answer ended"
             cancelled = time.monotonic()
             prefetch.cancel()
             assert prefetch.result() == (first.peer_id, None, None)
