@@ -119,6 +119,7 @@ def run_shadow(config, stop) -> None:
         prefetch = start_state_prefetch(dht, config.peer, config.optimizer, timeouts)
         groups = (config.peer, config.optimizer, config.averager, config.tracker, config.training)
         optimizer = build_optimizer(model, dht, *groups, timeouts=timeouts, prefetch=prefetch)
+        optimizer.leaving = stop
         optimizer.load_state_from_peers()
         if config.optimizer.local_steps > 0:
             optimizer.inner_optimizer = ShadowInnerStep(model, config.optimizer.local_steps)

@@ -50,6 +50,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 (hivemind recognises stream
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
@@ -844,9 +845,31 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
     # Set once the peer is asked to stop (trainer.peer): it triggers no further round, so it pre-schedules none. A
     # round pre-scheduled then is one hivemind's shutdown tags along at weight 0, for up to averaging_timeout.
     leaving: threading.Event | None = None
+    # time.monotonic() by which a departing peer stops waiting for its rounds (``collab.optim.finish_delayed_updates``)
+    leave_by: float | None = None
 
     def _is_leaving(self) -> bool:
         return self.leaving is not None and self.leaving.is_set()
+
+    def _tag_along_with_zero_weight(self, control: StepControl) -> None:
+        """hivemind's, but a departing peer tags along only until ``leave_by``, then cancels the round.
+
+        A round pre-scheduled before the stop has a group whose members begin it at the epoch's end, which the peer
+        no longer reaches: hivemind waits for them up to averaging_timeout, past the shutdown deadline, and the peer
+        exits without saving its model. Until ``leave_by`` its groupmates' round stays whole (weight 0)."""
+        if self.leave_by is None:
+            return super()._tag_along_with_zero_weight(control)
+        if not control.triggered:
+            control.weight = 0
+            control.allow_allreduce()
+        try:
+            control.result(max(0.0, self.leave_by - time.monotonic()))
+        except BaseException as e:  # as hivemind's: a round that failed or timed out is given up either way
+            if not control.done():
+                logger.info("Leaving a round that its groupmates had not finished (weight 0)")
+                control.cancel()
+            elif not isinstance(e, concurrent.futures.CancelledError):
+                logger.debug("The round tagged along at weight 0 failed: %r", e)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         if not self._is_leaving():

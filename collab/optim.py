@@ -439,9 +439,12 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
     more, and a peer stopped by SIGTERM would pass its shutdown deadline without saving its model.
 
     In what is left of ``timeout``, the groupmates of each averager's last round get what they still need from this
-    peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut; not after a round that hung.
+    peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut; not after a round that hung. A
+    round pre-scheduled before the stop is then tagged along at weight 0 by hivemind's shutdown until the same
+    deadline (``FiniteAveragingOptimizer.leave_by``).
     """
     deadline = time.monotonic() + timeout
+    optimizer.leave_by = deadline  # hivemind's shutdown tags along a pre-scheduled round only until then
     averager = optimizer.state_averager
     done, pending = concurrent.futures.wait(list(averager.pending_updates), timeout=timeout)
     if pending:

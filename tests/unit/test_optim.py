@@ -7,8 +7,9 @@ import time
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
-from hivemind.utils import get_dht_time
+from hivemind.utils import MPFuture, get_dht_time
 from torch_optimizer import Lamb
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
@@ -219,6 +220,50 @@ def test_a_peer_asked_to_stop_pre_schedules_no_gradient_round():
             assert optimizer.scheduled_grads is not None  # a peer that stays pre-schedules the same round
         finally:
             optimizer.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def formed_round() -> StepControl:
+    """A pre-scheduled round whose group formed (hivemind's stage AWAITING_TRIGGER) and whose groupmates begin it
+    only when ``.set_result`` is called: they have not reached the epoch's end."""
+    control = StepControl(
+        scheduled_time=get_dht_time(),
+        deadline=get_dht_time() + 60,
+        allow_retries=False,
+        weight=1.0,
+        data_for_gather=b"",
+    )
+    control.attach(MPFuture(), MPFuture())
+    control.stage = AveragingStage.AWAITING_TRIGGER
+    return control
+
+
+@pytest.mark.parametrize("groupmates_finish", [False, True])
+def test_a_departing_peer_tags_along_a_pre_scheduled_round_only_within_its_wait(groupmates_finish):
+    """SIGTERM's path with a gradient round pre-scheduled before the stop: hivemind's shutdown tags along at weight 0
+    until the groupmates finish, up to averaging_timeout (60 s here), past the shutdown deadline (a leaving newcomer
+    was forced out unsaved after 25 s). It waits until finish_delayed_updates' deadline only, then cancels."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "tag_along")
+        assert optimizer.averaging_timeout >= 60
+        control = optimizer.scheduled_grads = formed_round()
+        if groupmates_finish:  # within the wait: the round ends as it would in hivemind, with this peer at weight 0
+            threading.Timer(1.0, control.set_result, args=({},)).start()
+        started = time.monotonic()
+        finish_delayed_updates(optimizer, timeout=3.0)
+        shutdown = threading.Thread(target=optimizer.shutdown, daemon=True)
+        shutdown.start()
+        shutdown.join(timeout=40)
+        assert not shutdown.is_alive(), "hivemind's shutdown tagged along past the departing peer's wait"
+        assert control.triggered and control.weight == 0
+        if groupmates_finish:
+            assert control.done() and not control.cancelled()
+        else:
+            assert control.cancelled()
+            assert time.monotonic() - started >= 3.0, "the round was not tagged along until the wait's end"
     finally:
         dht.shutdown()
 
