@@ -450,6 +450,18 @@ def join_phases(run: PeerRun) -> dict[str, float]:
     return phases
 
 
+def leaves_saved(runs: Sequence[PeerRun]) -> tuple[int, int]:
+    """Of the peers told to leave (SIGTERM) that wrote their ``shutdown`` event, how many saved their final state,
+    and how many there were: the others passed their shutdown deadline and were forced out."""
+    last_shutdowns = [
+        next((record for record in reversed(run.events) if record["event"] == "shutdown"), None)
+        for run in runs
+        if run.ended_by == "leave"
+    ]
+    found = [record for record in last_shutdowns if record is not None]
+    return sum(bool(record["saved"]) for record in found), len(found)
+
+
 def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0.0) -> dict:
     """The figures of one run over the measured epochs ``first`` to ``last - 1``; joins are the runs that are not
     the initial peers, judged by ``join_outcome`` with ``grace_s``."""
@@ -467,6 +479,7 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0
     values = {name: [phase[name] for phase in phases if name in phase] for name in names}
     medians = {name: statistics.median(found) if found else None for name, found in values.items()}
     productive = sum(outcome is True for outcome in outcomes)
+    saved, shut_down = leaves_saved(runs)
     by_outcome = dict.fromkeys(SAMPLE_OUTCOMES, 0)
     for run in runs:
         for name, samples in samples_by_outcome(run, first, last).items():
@@ -488,6 +501,8 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0
         "samples_applied": applied,
         "samples_by_outcome": {name: samples / computed for name, samples in by_outcome.items()} if computed else None,
         **round_completeness(runs),
+        "leaves_saved": saved,
+        "leaves_shut_down": shut_down,
         "state_bytes": state_bytes,
     }
 
@@ -905,6 +920,11 @@ def report_lines(figures: dict, totals: dict) -> list[str]:
         lines.append(
             f"gradient rounds with groupmates: {figures['values_averaged_median']:.1%} of the values averaged at the "
             f"median, {figures['complete_rounds']:.1%} complete (nothing kept local, no sender dropped)"
+        )
+    if figures.get("leaves_shut_down"):
+        lines.append(
+            f"leaves that saved their final state: {figures['leaves_saved']} of {figures['leaves_shut_down']} (the "
+            "others passed their shutdown deadline)"
         )
     counts = ("peers", "kills", "restarts", "newcomers", "leaves", "gave_up", "exits", "epochs", "hour_epochs")
     lines.append(", ".join(f"{name} {figures.get(name)}" for name in counts) + f", wall {figures['wall_s']:.0f} s")

@@ -28,6 +28,7 @@ from bench.swarm import (
     join_phases,
     join_seconds_vs_bound,
     kills_due,
+    leaves_saved,
     newcomer_verdict,
     own_round,
     read_steps,
@@ -382,6 +383,17 @@ def test_summary_counts_joins_and_leaves_the_initial_peers_out():
     assert figures["join_phases_median_s"] == {"start_to_joined": None, "download": 1.0, "started_to_round": None}
     assert figures["goodput"] == pytest.approx(48 / 96)  # A alone computed and applied samples
     assert figures["samples_by_outcome"] == {**NOTHING, "applied": 0.5, "alone": 32 / 96, "unfinished": 16 / 96}
+
+
+def test_leaves_saved_count_the_peers_told_to_leave_that_saved_their_state():
+    runs = [
+        joiner("newcomer", 100.0, 10.0, 300.0, "leave", [LOADED, ev("shutdown", 310.0, epoch=5, saved=True)]),
+        joiner("newcomer", 100.0, 10.0, 300.0, "leave", [LOADED, ev("shutdown", 325.0, saved=False, forced=True)]),
+        joiner("newcomer", 100.0, 10.0, 300.0, "leave", [LOADED]),  # killed in its slot before it shut down
+        joiner("restart", 100.0, 10.0, 300.0, "kill", [ev("shutdown", 310.0, epoch=5, saved=True)]),
+    ]
+    assert leaves_saved(runs) == (1, 2)
+    assert summarize(runs, 10, 13)["leaves_saved"] == 1 and summarize(runs, 10, 13)["leaves_shut_down"] == 2
 
 
 def test_history_adds_up_joins_across_runs():
