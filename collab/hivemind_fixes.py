@@ -34,6 +34,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
@@ -531,10 +532,32 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     _register_allreduce_group = register_allreduce_group_waking_senders
     rpc_aggregate_part = rpc_aggregate_part_waiting_for_group
     _declare_for_download_periodically = declare_for_download_when_changed
-    step = averager_step_marking_stale_time
     _shutdown = averager_shutdown_cancelling_rounds
     round_epoch = None
     tracked_swarm_epoch = None
+
+    def __init__(self, *args, **kwargs):
+        self._rounds_begun: weakref.WeakSet[StepControl] = weakref.WeakSet()  # for ``cancel_rounds``
+        self.rounds_cancelled = False  # set by ``cancel_rounds``: a round begun later is cancelled at once
+        super().__init__(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        """``averager_step_marking_stale_time``; a round returned unfinished is kept track of for ``cancel_rounds``."""
+        result = averager_step_marking_stale_time(self, *args, **kwargs)
+        if isinstance(result, StepControl):
+            self._rounds_begun.add(result)
+            if self.rounds_cancelled and not result.done():
+                result.cancel()
+        return result
+
+    def cancel_rounds(self) -> int:
+        """A departing peer's: cancel this averager's unfinished rounds, and any it begins from now on, so that no
+        thread waits for one (Python joins hivemind's executor threads at exit). Returns how many were running."""
+        self.rounds_cancelled = True
+        unfinished = [control for control in list(self._rounds_begun) if not control.done()]
+        for control in unfinished:
+            control.cancel()
+        return len(unfinished)
 
     def run(self) -> None:
         """The averager's own process: in a process group of its own, keeps its tasks, matches rounds of one epoch

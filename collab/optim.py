@@ -40,6 +40,7 @@ from collab.averagers import (
     FiniteTrainingStateAverager,
 )
 from collab.compression import make_codec
+from collab.hivemind_fixes import FixedDecentralizedAverager
 from collab.lowcomm import (
     PARAMETER_ROUND_VALUES,
     LowCommOptimizer,
@@ -429,14 +430,18 @@ def lowcomm_mode(model: torch.nn.Module, optimizer_args: OptimizerArguments, tra
     )
 
 
+CANCELLED_UPDATE_WAIT_S = 2.0  # seconds for a background update to end once its rounds are cancelled
+
+
 def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> None:
     """Before leaving: let the background optimizer step and averaging round finish for at most ``timeout`` seconds,
     then apply what finished.
 
     The optimizer step comes first in the background update, so it is kept even when the averaging round hangs
     because the partner already left (hivemind would otherwise wait the whole ``averaging_timeout``). An update still
-    running is forgotten, or ``hivemind.Optimizer.shutdown`` would wait for it again, up to ``averaging_timeout``
-    more, and a peer stopped by SIGTERM would pass its shutdown deadline without saving its model.
+    running then has its rounds cancelled (``FixedDecentralizedAverager.cancel_rounds``) and is forgotten: its thread
+    would otherwise hold the process's exit after the save, and ``hivemind.Optimizer.shutdown`` wait for it again, up
+    to ``averaging_timeout`` more, and a peer stopped by SIGTERM pass its shutdown deadline.
 
     In what is left of ``timeout``, the groupmates of each averager's last round get what they still need from this
     peer (``FiniteAveragingMixin.wait_for_groupmates``), which leaving would cut; not after a round that hung. A
@@ -449,7 +454,11 @@ def finish_delayed_updates(optimizer: hivemind.Optimizer, timeout: float) -> Non
     done, pending = concurrent.futures.wait(list(averager.pending_updates), timeout=timeout)
     if pending:
         logger.info("Leaving without the last background averaging round (no answer in %.0f s)", timeout)
-        averager.pending_updates = set(done)
+        for each in (optimizer.grad_averager, averager):
+            if isinstance(each, FixedDecentralizedAverager):
+                each.cancel_rounds()
+        concurrent.futures.wait(pending, timeout=CANCELLED_UPDATE_WAIT_S)  # so that a step it carried is applied
+        averager.pending_updates = {update for update in averager.pending_updates if update.done()}
     averager.step(wait_for_delayed_updates=False, apply_delayed_updates=True)
     if pending:
         return

@@ -195,6 +195,30 @@ def test_a_departing_peer_does_not_wait_twice_for_a_hung_background_round():
         dht.shutdown()
 
 
+def test_a_departing_peer_cancels_the_rounds_it_leaves_so_that_no_thread_waits_for_them():
+    """A background update left waiting on its round kept the process from exiting for 12 s after the model was
+    saved (Python joins hivemind's executor threads), until the shutdown watchdog ended it. Leaving cancels the
+    averagers' rounds: the update's thread ends, and a round begun afterwards is cancelled as it starts."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "left_round")
+        try:
+            averager = optimizer.state_averager
+            # the last step's update, waiting on its gradient round (no groupmate ever comes), as hivemind's does
+            round_ = optimizer.grad_averager.schedule_step(timeout=60)
+            update = averager.step_executor.submit(round_.result, 60)
+            averager.pending_updates.add(update)
+            finish_delayed_updates(optimizer, timeout=0.5)
+            assert round_.cancelled() and update.done(), "the update's thread still waits for its round"
+            assert optimizer.grad_averager.schedule_step(timeout=60).cancelled()  # begun after leaving
+            assert not averager.pending_updates
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
+
+
 def test_a_peer_asked_to_stop_pre_schedules_no_gradient_round():
     """A leaving peer triggers no further round: one pre-scheduled after the stop is one hivemind's shutdown tags
     along at weight 0, holding the peer's exit up to averaging_timeout (a newcomer leaving that way was forced out
