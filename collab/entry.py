@@ -67,9 +67,10 @@ def configure_logging() -> None:
     escape_log_messages()
 
 
-# seconds a finished program's interpreter gets to exit before it is ended: a background round it left behind
-# (``collab.optim.finish_delayed_updates``) would hold the exit for up to averaging_timeout, then abort the process
-LEAVE_GRACE_S = 15.0
+# seconds a finished program's interpreter gets to exit before it is ended. The program has saved its state and
+# shut down what it started; a hivemind thread still running then waits on an averager already shut down (a round
+# given up in ``collab.optim.finish_delayed_updates``), and would hold the exit up to averaging_timeout, then abort.
+LEAVE_GRACE_S = 3.0
 
 
 def exit_by_then(code: int, grace: float) -> None:
