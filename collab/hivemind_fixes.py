@@ -538,6 +538,7 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
 
     def __init__(self, *args, **kwargs):
         self._rounds_begun: weakref.WeakSet[StepControl] = weakref.WeakSet()  # for ``cancel_rounds``
+        self._rounds_lock = threading.Lock()  # rounds begin in hivemind's threads, cancel_rounds runs in another
         self.rounds_cancelled = False  # set by ``cancel_rounds``: a round begun later is cancelled at once
         super().__init__(*args, **kwargs)
 
@@ -545,16 +546,20 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
         """``averager_step_marking_stale_time``; a round returned unfinished is kept track of for ``cancel_rounds``."""
         result = averager_step_marking_stale_time(self, *args, **kwargs)
         if isinstance(result, StepControl):
-            self._rounds_begun.add(result)
-            if self.rounds_cancelled and not result.done():
+            with self._rounds_lock:
+                self._rounds_begun.add(result)
+                cancelled = self.rounds_cancelled
+            if cancelled and not result.done():
                 result.cancel()
         return result
 
     def cancel_rounds(self) -> int:
         """A departing peer's: cancel this averager's unfinished rounds, and any it begins from now on, so that no
         thread waits for one (Python joins hivemind's executor threads at exit). Returns how many were running."""
-        self.rounds_cancelled = True
-        unfinished = [control for control in list(self._rounds_begun) if not control.done()]
+        with self._rounds_lock:
+            self.rounds_cancelled = True
+            begun = list(self._rounds_begun)
+        unfinished = [control for control in begun if not control.done()]
         for control in unfinished:
             control.cancel()
         return len(unfinished)
