@@ -553,16 +553,15 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
                 result.cancel()
         return result
 
-    def cancel_rounds(self) -> int:
+    def cancel_rounds(self) -> None:
         """A departing peer's: cancel this averager's unfinished rounds, and any it begins from now on, so that no
-        thread waits for one (Python joins hivemind's executor threads at exit). Returns how many were running."""
+        thread waits for one (Python joins hivemind's executor threads at exit)."""
         with self._rounds_lock:
             self.rounds_cancelled = True
             begun = list(self._rounds_begun)
-        unfinished = [control for control in begun if not control.done()]
-        for control in unfinished:
-            control.cancel()
-        return len(unfinished)
+        for control in begun:
+            if not control.done():
+                control.cancel()
 
     def run(self) -> None:
         """The averager's own process: in a process group of its own, keeps its tasks, matches rounds of one epoch
