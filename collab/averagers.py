@@ -836,6 +836,9 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         return averager
 
 
+LEAVE_POLL_S = 0.1  # seconds between two looks at whether a peer waiting for its background update is asked to leave
+
+
 class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
     """``hivemind.Optimizer`` whose parameter rounds run in a ``FiniteTrainingStateAverager`` and whose state loads
     are bounded (``BoundedLoadOptimizer``); pass ``grad_averager_factory=FiniteGradientAverager`` for its gradient
@@ -879,10 +882,29 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
         """hivemind's, once the last epoch's background update (its optimizer step and parameter round) has finished.
         hivemind waits for it with the progress tracker paused, where the swarm's epoch stands still: the stale-round
         watchdog could then never see that a parameter round's group formed without this peer, and a peer whose round
-        found no groupmate stalled for the whole averaging timeout while the swarm went on."""
+        found no groupmate stalled for the whole averaging timeout while the swarm went on.
+
+        A peer asked to leave during that wait takes no step: the wait is ``collab.optim.finish_delayed_updates``'s
+        then, bounded by the leave's deadline (hivemind's lasts up to the averaging timeout, past that deadline)."""
         if self.delay_optimizer_step:
+            if not self._background_update_ended_unless_leaving():
+                logger.info("Asked to stop while the last epoch's background update runs: no step at this epoch")
+                return
             self.state_averager.step(wait_for_delayed_updates=True)
         super()._update_global_epoch(grad_scaler)
+
+    def _background_update_ended_unless_leaving(self) -> bool:
+        """Wait as hivemind's ``TrainingStateAverager.step`` does for the background updates, up to the averaging
+        timeout, looking every ``LEAVE_POLL_S`` at whether the peer is asked to leave: False then, with one still
+        running. After the timeout hivemind's own wait takes over (True)."""
+        pending = list(self.state_averager.pending_updates)
+        deadline = time.monotonic() + (self.state_averager._allreduce_timeout or math.inf)
+        while pending and time.monotonic() < deadline:
+            if self._is_leaving():
+                return False
+            _, still = concurrent.futures.wait(pending, timeout=min(LEAVE_POLL_S, deadline - time.monotonic()))
+            pending = list(still)
+        return True
 
     def _maybe_schedule_state_averaging(self) -> None:
         if not self._is_leaving():

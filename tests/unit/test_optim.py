@@ -292,6 +292,42 @@ def test_a_departing_peer_tags_along_a_pre_scheduled_round_only_within_its_wait(
         dht.shutdown()
 
 
+def test_a_stop_during_the_wait_for_the_last_background_update_ends_the_step_at_once(tmp_path):
+    """A global step first waits for the previous epoch's background update, up to averaging_timeout: a SIGTERM that
+    came then held the loop there past the shutdown deadline (one peer of 39 in bench.swarm was forced out so, after
+    23 s in that wait). Asked to leave, the step ends without stepping; finish_delayed_updates waits, bounded."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    release = threading.Event()
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "stop_in_step")
+        optimizer.leaving = threading.Event()
+        try:
+            assert optimizer.averaging_timeout >= 60
+            averager = optimizer.state_averager
+            update = averager.step_executor.submit(release.wait)  # the previous epoch's update, its round hung
+            averager.pending_updates.add(update)
+            stepping = threading.Thread(target=optimizer._update_global_epoch, args=(None,), daemon=True)
+            stepping.start()
+            stepping.join(timeout=1.0)
+            assert stepping.is_alive(), "a peer not asked to leave waits for its background update"
+            asked = time.monotonic()
+            optimizer.leaving.set()
+            stepping.join(timeout=30)
+            assert not stepping.is_alive()
+            assert time.monotonic() - asked < 2.0, "the step kept waiting after the peer was asked to leave"
+            assert optimizer.local_epoch == 0 and read_events(path, "step_begun") == []
+            assert averager.pending_updates == {update}  # left to finish_delayed_updates' bounded wait
+        finally:
+            release.set()
+            optimizer.shutdown()
+    finally:
+        events.open_event_log(None)
+        dht.shutdown()
+
+
 def test_step_begun_is_written_when_the_round_is_triggered_not_before_the_previous_update_is_applied(tmp_path):
     """hivemind enters a global step, then waits for the previous step's delayed update (its round and optimizer
     step) before it triggers this step's gradient round: ``step_begun`` must come after that wait, or a round of the
