@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import InvalidStateError
 from functools import partial
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
@@ -136,6 +136,12 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
         unused.finished.set()  # never used: its finalizer would report that it received none of its parts
         self.tensor_part_reducer = FiniteTensorPartReducer(unused.part_shapes, unused.num_senders, own_index)
         self.non_finite_kept_local = 0
+        # flat [start, end) spans of this peer's values the round left as they were (``kept_local_spans``)
+        self._kept_local_spans: list[tuple[int, int]] = []
+        self._failed_size_seen = 0
+        # each reducer's parts are one contiguous flat span (hivemind's TensorPartContainer): where each ends
+        parts_by_peer = self.tensor_part_container._input_parts_by_peer
+        self._reducer_span_ends = list(accumulate(sum(part.numel() for part, _ in parts) for parts in parts_by_peer))
         self.started = time.monotonic()
         self.sender_starts: dict[PeerID, float] = {}  # seconds after this peer's start that each sender's part came
         self.over = asyncio.Event()  # set once this peer needs nothing more from its groupmates in this round
@@ -164,11 +170,31 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
     def values_kept_local(self) -> int:
         return super().values_kept_local() + self.non_finite_kept_local
 
+    def kept_local_spans(self) -> list[tuple[int, int]]:
+        """Flat ``[start, end)`` spans (over the round's tensors in order) holding every value this round left as
+        this peer had it: the parts of a reducer that failed, and each tensor with a non-finite average."""
+        return list(self._kept_local_spans)
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        try:
+            await super()._communicate_with_peer(peer_id)
+        finally:
+            # hivemind registers a failed reducer's remaining parts, the tail of its span, just before it raises here
+            failed = self.tensor_part_container.failed_size - self._failed_size_seen
+            if failed:
+                self._failed_size_seen += failed
+                end = self._reducer_span_ends[self.ordered_peer_ids.index(peer_id)]
+                self._kept_local_spans.append((end - failed, end))
+
     async def run(self):
+        offset = 0
         try:
             async for delta in super().run():
                 delta, replaced = keep_local_where_non_finite(delta)
                 self.non_finite_kept_local += replaced
+                if replaced:
+                    self._kept_local_spans.append((offset, offset + delta.numel()))
+                offset += delta.numel()
                 yield delta
         finally:
             self._report_dropped(self.non_finite_kept_local)
@@ -201,6 +227,10 @@ class FiniteAveragingMixin:
     # catches up from was behind the swarm's when it took it (``BoundedLoadOptimizer``); 0 once it holds the swarm's.
     # None: always a full member.
     state_lag = None
+    # in the averager's process, while this peer catches up: the flat spans of its values that no parameter round has
+    # replaced with its groupmates' yet, over rounds of ``_still_old_size`` values (``_take_groupmates_values``)
+    _still_old: list[tuple[int, int]] | None = None
+    _still_old_size = 0
 
     # hivemind caches each class's RPC handlers on first use: a parent's cache would hide rpc_round_over
     _rpc_handlers = None
@@ -280,8 +310,8 @@ class FiniteAveragingMixin:
         """hivemind's ``DecentralizedAverager._run_allreduce_inplace_`` with ``FiniteAllReduceRunner``.
 
         While this peer catches up its weight is ``catching_up_weight``'s: 0 in parameter rounds, where it receives
-        the group's average and adds nothing from its old state. The first parameter round whose every value came from
-        groupmates with weight makes it whole."""
+        the group's average and adds nothing from its old state. It is whole once each of its values has come from
+        groupmates with weight in some parameter round (``_take_groupmates_values``)."""
         lag = 0 if self.state_lag is None else self.state_lag.value
         if lag:
             kwargs["weight"] = catching_up_weight(self.round_kind, kwargs.get("weight", 1.0), lag)
@@ -315,10 +345,25 @@ class FiniteAveragingMixin:
                     raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self._size_part_timeout(runner)
-        kept_local = self.kept_local_last_round.value = runner.values_kept_local()
-        made_whole = evened_out(runner.group_size, kept_local)
-        if lag and self.round_kind == "parameter" and made_whole:
+        self.kept_local_last_round.value = runner.values_kept_local()
+        if lag and self.round_kind == "parameter":
+            self._take_groupmates_values(runner)
+        elif not lag:
+            self._still_old = None
+
+    def _take_groupmates_values(self, runner: FiniteAllReduceRunner) -> None:
+        """After a parameter round of this peer catching up: its values that came from groupmates are the swarm's,
+        and the peer is whole (``state_lag`` 0) once every value has, in this round or an earlier one of the same
+        catch-up. Parameter rounds where some groupmate dropped are common in a swarm with churn: waiting for one
+        that completes could keep a newcomer out for good."""
+        total = runner.tensor_part_container.total_size
+        still_old = self._still_old if self._still_old is not None and self._still_old_size == total else [(0, total)]
+        if runner.group_size >= 2:
+            still_old = spans_left(still_old, runner.kept_local_spans())
+        self._still_old, self._still_old_size = still_old, total
+        if not still_old:
             self.state_lag.value = 0
+            self._still_old = None
 
     def _size_part_timeout(self, runner: FiniteAllReduceRunner) -> None:
         """The next rounds' sender and reducer timeouts, sized by this round's late starts (``PartTimeout``); hivemind
@@ -382,10 +427,19 @@ def catching_up_weight(round_kind: str, weight: float, lag: int) -> float:
     return weight / (1 + lag)
 
 
-def evened_out(group_size: int, values_kept_local: int) -> bool:
-    """Whether a round taken part in with weight 0 replaced every value with the groupmates' average: a value whose
-    reducer failed, or whose every sender had weight 0 (0/0), is kept local."""
-    return group_size >= 2 and values_kept_local == 0
+def spans_left(spans: Sequence[tuple[int, int]], kept: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``spans`` (sorted, disjoint ``[start, end)``) inside some span of ``kept``: what a round that
+    replaced every value outside ``kept`` left of them."""
+    left = []
+    for start, end in spans:
+        for kept_start, kept_end in sorted(kept):
+            low, high = max(start, kept_start), min(end, kept_end)
+            if low < high:
+                if left and left[-1][1] >= low:
+                    left[-1] = (left[-1][0], max(left[-1][1], high))
+                else:
+                    left.append((low, high))
+    return left
 
 
 class FiniteAverager(FiniteAveragingMixin, FixedDecentralizedAverager):

@@ -10,12 +10,14 @@ import os
 import signal
 import threading
 import time
+from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
 import torch
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -28,6 +30,7 @@ from collab.averagers import (
     catching_up_weight,
     choose_donor,
     honest_progress_epoch,
+    spans_left,
     state_refusal,
 )
 from collab.hivemind_fixes import SpacedProgressTracker, progress_key, records_within_reach
@@ -357,6 +360,91 @@ def test_a_catching_up_peer_takes_the_groups_parameters_and_adds_none_of_its_own
         finally:
             current.shutdown()
             behind.shutdown()
+
+
+def test_the_values_a_catching_up_peer_still_holds_from_its_old_state_are_those_every_round_kept():
+    assert spans_left([(0, 100)], []) == []
+    assert spans_left([(0, 100)], [(30, 60)]) == [(30, 60)]
+    assert spans_left([(0, 100)], [(90, 120), (0, 10)]) == [(0, 10), (90, 100)]
+    assert spans_left([(0, 10), (90, 100)], [(5, 95)]) == [(5, 10), (90, 95)]
+    assert spans_left([(30, 60)], [(0, 30), (60, 90)]) == []  # replaced in this round
+    assert spans_left([(0, 100)], [(10, 40), (30, 50)]) == [(10, 50)]  # a failed part and a non-finite tensor overlap
+
+
+class NoReducer(FiniteTrainingStateAverager):
+    """Reduces the span of its groupmates' values it is given, as any peer, but answers with an error instead of the
+    averages: each groupmate keeps its own values for that span, as when a groupmate drops out of a round. (Refusing
+    the parts at once would leave its own reduction waiting for them, and its rounds growing longer.)"""
+
+    _rpc_handlers = None  # its own, not a parent's cached ones
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for _ in super().rpc_aggregate_part(stream, context):
+            pass
+        yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+
+
+def test_a_catching_up_peer_is_made_whole_by_rounds_that_each_lose_a_groupmate_s_part():
+    """A newcomer catching up took only parameter rounds whose every value came from groupmates: in a swarm with
+    churn most rounds lose a part (a groupmate drops), and one newcomer of 460 in bench.swarm never caught up so.
+    Here every round loses one groupmate's third; the rounds together replace every value, and the peer is whole."""
+    options = dict(target_group_size=3, min_matchmaking_time=2.0)
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    averagers = []
+    try:
+        for _ in range(2):
+            dhts.append(
+                hivemind.DHT(
+                    start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs()
+                )
+            )
+        # twelve tensors of 100 values, one part each: each peer of a group of three reduces a third
+        models = [
+            torch.nn.ParameterList(torch.nn.Parameter(torch.full((100,), fill)) for _ in range(12))
+            for fill in (1.0, 0.0, 1.0)
+        ]
+        for dht, model, averager_class, chunk_timeout in zip(
+            dhts,
+            models,
+            (FiniteTrainingStateAverager, FiniteTrainingStateAverager, NoReducer),
+            (10.0, 10.0, 1.0),
+            strict=True,
+        ):
+            averagers.append(
+                averager_class(
+                    dht=dht,
+                    prefix="partial_rounds_state_averager",
+                    optimizer=functools.partial(torch.optim.SGD, lr=0.0),
+                    params=model.parameters(),
+                    next_chunk_timeout=chunk_timeout,
+                    start=True,
+                    **options,
+                )
+            )
+        current, behind, _ = averagers
+        behind.state_lag.value = 3
+
+        def behind_values() -> torch.Tensor:
+            return torch.cat([param.detach().flatten() for param in behind.main_parameters])
+
+        average_parameters_once(averagers)
+        replaced = int((behind_values() == 1.0).sum())
+        assert replaced == 800, "the first round did not replace all but the third the failing groupmate held"
+        assert behind.state_lag.value == 3, "made whole by a round that left a third of its old values"
+        for _ in range(11):  # each round's failing third is at a random place: 1 chance in 3 it is the same again
+            if behind.state_lag.value == 0:
+                break
+            average_parameters_once(averagers)
+        assert behind.state_lag.value == 0, "never made whole by rounds that each lost a part"
+        assert torch.equal(behind_values(), torch.ones(1200)), "made whole while still holding old values"
+        assert current.state_lag.value == 0
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
 
 
 def test_a_catching_up_peer_weighs_only_pseudo_gradients_from_a_state_a_few_rounds_old():
