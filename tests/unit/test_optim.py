@@ -1,5 +1,6 @@
 """The optimizer definition: parameter groups, schedule, local batch size."""
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -292,72 +293,73 @@ def test_a_departing_peer_tags_along_a_pre_scheduled_round_only_within_its_wait(
         dht.shutdown()
 
 
-def test_a_stop_during_the_wait_for_the_last_background_update_ends_the_step_at_once(tmp_path):
-    """A global step first waits for the previous epoch's background update, up to averaging_timeout: a SIGTERM that
-    came then held the loop there past the shutdown deadline (one peer of 39 in bench.swarm was forced out so, after
-    23 s in that wait). Asked to leave, the step ends without stepping; finish_delayed_updates waits, bounded."""
+@dataclasses.dataclass
+class WaitingStep:
+    """A global step (``_update_global_epoch``) running in ``thread``, waiting for ``update``, the previous epoch's
+    background update, which ends only once ``release`` is set; ``events_path`` holds the peer's events."""
+
+    optimizer: hivemind.Optimizer
+    update: object
+    release: threading.Event
+    thread: threading.Thread
+    events_path: object
+
+
+@contextlib.contextmanager
+def step_waiting_for_the_last_update(tmp_path, prefix: str):
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     release = threading.Event()
     path = tmp_path / "events.jsonl"
     events.open_event_log(path)
     try:
-        optimizer = optimizer_with_defaults(model, dht, "stop_in_step")
-        optimizer.leaving = threading.Event()
+        optimizer = optimizer_with_defaults(model, dht, prefix)
+        optimizer.leaving = threading.Event()  # the trainer's stop event
         try:
-            assert optimizer.averaging_timeout >= 60
             averager = optimizer.state_averager
-            update = averager.step_executor.submit(release.wait)  # the previous epoch's update, its round hung
+            update = averager.step_executor.submit(release.wait)
             averager.pending_updates.add(update)
-            stepping = threading.Thread(target=optimizer._update_global_epoch, args=(None,), daemon=True)
-            stepping.start()
-            stepping.join(timeout=1.0)
-            assert stepping.is_alive(), "a peer not asked to leave waits for its background update"
-            asked = time.monotonic()
-            optimizer.leaving.set()
-            stepping.join(timeout=30)
-            assert not stepping.is_alive()
-            assert time.monotonic() - asked < 2.0, "the step kept waiting after the peer was asked to leave"
-            assert optimizer.local_epoch == 0 and read_events(path, "step_begun") == []
-            assert averager.pending_updates == {update}  # left to finish_delayed_updates' bounded wait
+            thread = threading.Thread(target=optimizer._update_global_epoch, args=(None,), daemon=True)
+            thread.start()
+            yield WaitingStep(optimizer, update, release, thread, path)
         finally:
             release.set()
             optimizer.shutdown()
     finally:
         events.open_event_log(None)
         dht.shutdown()
+
+
+def test_a_stop_during_the_wait_for_the_last_background_update_ends_the_step_at_once(tmp_path):
+    """A global step first waits for the previous epoch's background update, up to averaging_timeout: a SIGTERM that
+    came then held the loop there past the shutdown deadline (one peer of 39 in bench.swarm was forced out so, after
+    23 s in that wait). Asked to leave, the step ends without stepping; finish_delayed_updates waits, bounded."""
+    with step_waiting_for_the_last_update(tmp_path, "stop_in_step") as step:
+        assert step.optimizer.averaging_timeout >= 60
+        step.thread.join(timeout=1.0)
+        assert step.thread.is_alive(), "a peer not asked to leave waits for its background update"
+        asked = time.monotonic()
+        step.optimizer.leaving.set()
+        step.thread.join(timeout=30)
+        assert not step.thread.is_alive()
+        assert time.monotonic() - asked < 2.0, "the step kept waiting after the peer was asked to leave"
+        assert step.optimizer.local_epoch == 0 and read_events(step.events_path, "step_begun") == []
+        assert step.optimizer.state_averager.pending_updates == {step.update}  # left to finish_delayed_updates
 
 
 def test_step_begun_is_written_when_the_round_is_triggered_not_before_the_previous_update_is_applied(tmp_path):
     """hivemind enters a global step, then waits for the previous step's delayed update (its round and optimizer
     step) before it triggers this step's gradient round: ``step_begun`` must come after that wait, or a round of the
     previous step that ends during it reads as this step's (bench.swarm's attribution)."""
-    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    release = threading.Event()
-    path = tmp_path / "events.jsonl"
-    events.open_event_log(path)
-    try:
-        optimizer = optimizer_with_defaults(model, dht, "step_begun")
-        try:
-            averager = optimizer.state_averager
-            averager.pending_updates.add(averager.step_executor.submit(release.wait))  # the previous step's update
-            stepping = threading.Thread(target=optimizer._update_global_epoch, args=(None,), daemon=True)
-            stepping.start()
-            time.sleep(1.0)
-            assert read_events(path, "step_begun") == [], "step_begun written while the previous update was pending"
-            released_at = time.time()
-            release.set()
-            stepping.join(timeout=30)
-            assert not stepping.is_alive()
-            [begun] = read_events(path, "step_begun")
-            assert begun["epoch"] == 0 and begun["time"] >= round(released_at, 3) - 0.001
-        finally:
-            release.set()
-            optimizer.shutdown()
-    finally:
-        events.open_event_log(None)
-        dht.shutdown()
+    with step_waiting_for_the_last_update(tmp_path, "step_begun") as step:
+        time.sleep(1.0)
+        assert read_events(step.events_path, "step_begun") == [], "step_begun written while the last update ran"
+        released_at = time.time()
+        step.release.set()
+        step.thread.join(timeout=30)
+        assert not step.thread.is_alive()
+        [begun] = read_events(step.events_path, "step_begun")
+        assert begun["epoch"] == 0 and begun["time"] >= round(released_at, 3) - 0.001
 
 
 def test_the_swarm_s_progress_is_read_while_a_step_waits_for_the_last_background_round():
