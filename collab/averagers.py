@@ -227,10 +227,12 @@ class FiniteAveragingMixin:
     # catches up from was behind the swarm's when it took it (``BoundedLoadOptimizer``); 0 once it holds the swarm's.
     # None: always a full member.
     state_lag = None
+    # In parameter averagers (an mp.Value(c_int)): how many catch-ups this peer has (re)started from old values.
+    catch_ups = None
     # in the averager's process, while this peer catches up: the flat spans of its values that no parameter round has
-    # replaced with its groupmates' yet, over rounds of ``_still_old_size`` values (``_take_groupmates_values``)
+    # replaced with its groupmates' yet, for the (round size, ``catch_ups``) of ``_still_old_key``
     _still_old: list[tuple[int, int]] | None = None
-    _still_old_size = 0
+    _still_old_key: tuple[int, int] | None = None
 
     # hivemind caches each class's RPC handlers on first use: a parent's cache would hide rpc_round_over
     _rpc_handlers = None
@@ -357,10 +359,11 @@ class FiniteAveragingMixin:
         catch-up. Parameter rounds where some groupmate dropped are common in a swarm with churn: waiting for one
         that completes could keep a newcomer out for good."""
         total = runner.tensor_part_container.total_size
-        still_old = self._still_old if self._still_old is not None and self._still_old_size == total else [(0, total)]
+        key = (total, 0 if self.catch_ups is None else self.catch_ups.value)
+        still_old = self._still_old if self._still_old is not None and self._still_old_key == key else [(0, total)]
         if runner.group_size >= 2:
             still_old = spans_left(still_old, runner.kept_local_spans())
-        self._still_old, self._still_old_size = still_old, total
+        self._still_old, self._still_old_key = still_old, key
         if not still_old:
             self.state_lag.value = 0
             self._still_old = None
@@ -642,6 +645,8 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         self.run_id = run_id
         self._max_donor_epoch = mp.Value(ctypes.c_double, math.inf)  # read by the averager's process
         self.state_lag = mp.Value(ctypes.c_int, 0)
+        # bumped by the optimizer each time a catch-up (re)starts from old values: the rounds before count for nothing
+        self.catch_ups = mp.Value(ctypes.c_int, 0)
         super().__init__(**kwargs)
 
     def swarm_epoch(self) -> int | None:
@@ -843,6 +848,7 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         it."""
         if self.catching_up_since is None:
             self.catching_up_since = time.monotonic()
+        self.state_averager.catch_ups.value += 1
         self.state_averager.state_lag.value = max(1, swarm_epoch - state_epoch)
         self.tracker.counts_no_samples = True
         if self.state_averager.allow_state_sharing:
@@ -854,6 +860,12 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
             swarm_epoch,
         )
         events.emit("catching_up", epoch=state_epoch, global_epoch=swarm_epoch)
+
+    def values_put_back(self) -> None:
+        """After this peer's values were put back to an earlier copy (a rollback): while it catches up, what its
+        parameter rounds gave it before may be undone, and the catch-up counts from the next round again."""
+        if self.catching_up_since is not None:
+            self.state_averager.catch_ups.value += 1
 
     def _finish_catching_up(self) -> None:
         """After the parameter round that made this peer whole (``state_lag`` back to 0 by its averager)."""

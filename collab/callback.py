@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import hivemind
 import pydantic
@@ -17,6 +18,9 @@ from collab import events
 from collab.checkpoint import OPTIMIZER_STATE, load_model, load_optimizer_state, opened_checkpoint
 from collab.errors import CheckpointError
 from collab.schema import LocalMetrics, metrics_key
+
+if TYPE_CHECKING:  # collab.averagers imports this module (all_finite)
+    from collab.averagers import BoundedLoadOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +100,7 @@ class CollaborativeCallback:
     def __init__(
         self,
         dht: hivemind.DHT,
-        optimizer: hivemind.Optimizer,
+        optimizer: BoundedLoadOptimizer,
         model: torch.nn.Module,
         local_public_key: bytes,
         experiment_prefix: str,
@@ -217,6 +221,7 @@ class CollaborativeCallback:
         logger.warning("%s: restoring the backup (rollback #%d)", ROLLBACK_REASONS[reason], self.rollbacks)
         events.emit("rollback", epoch=self.optimizer.local_epoch, rollbacks=self.rollbacks, reason=reason)
         self._load_training_state(self.backup["model"], copy.deepcopy(self.backup["optimizer"]))
+        self.optimizer.values_put_back()
 
     def resume_from(self, resume: ResumePoint) -> None:
         """Put a checkpoint's model and optimizer state into place, at the checkpoint's global epoch."""
