@@ -22,6 +22,7 @@ from arguments import (
     TrainingArguments,
 )
 from collab import events
+from collab.callback import CollaborativeCallback
 from collab.events import read_events
 from collab.optim import (
     EIGHT_BIT_MIN_VALUES,
@@ -289,6 +290,30 @@ def test_a_departing_peer_tags_along_a_pre_scheduled_round_only_within_its_wait(
         else:
             assert control.cancelled()
             assert time.monotonic() - started >= 3.0, "the round was not tagged along until the wait's end"
+    finally:
+        dht.shutdown()
+
+
+def test_a_rollback_during_a_catch_up_restarts_its_count_of_values_replaced():
+    """A backup put back while a newcomer catches up may undo what its parameter rounds gave it: the averager's count
+    of the values still old restarts (collab.averagers' catch_ups, tests/unit/test_state_download.py); a rollback of
+    a full member changes nothing there."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "rollback_catch_up")
+        try:
+            callback = CollaborativeCallback(dht, optimizer, model, b"peer", "rollback_catch_up", 600.0, 1)
+            callback.on_train_begin(None)
+            catch_ups = optimizer.state_averager.catch_ups
+            callback.restore_backup()
+            assert catch_ups.value == 0
+            optimizer._begin_catching_up(state_epoch=3, swarm_epoch=6)
+            assert catch_ups.value == 1
+            callback.restore_backup()
+            assert catch_ups.value == 2
+        finally:
+            optimizer.shutdown()
     finally:
         dht.shutdown()
 
