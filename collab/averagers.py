@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import InvalidStateError
 from functools import partial
-from itertools import accumulate, chain
+from itertools import chain
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
@@ -139,9 +139,6 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
         # flat [start, end) spans of this peer's values the round left as they were (``kept_local_spans``)
         self._kept_local_spans: list[tuple[int, int]] = []
         self._failed_size_seen = 0
-        # each reducer's parts are one contiguous flat span (hivemind's TensorPartContainer): where each ends
-        parts_by_peer = self.tensor_part_container._input_parts_by_peer
-        self._reducer_span_ends = list(accumulate(sum(part.numel() for part, _ in parts) for parts in parts_by_peer))
         self.started = time.monotonic()
         self.sender_starts: dict[PeerID, float] = {}  # seconds after this peer's start that each sender's part came
         self.over = asyncio.Event()  # set once this peer needs nothing more from its groupmates in this round
@@ -183,8 +180,14 @@ class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
             failed = self.tensor_part_container.failed_size - self._failed_size_seen
             if failed:
                 self._failed_size_seen += failed
-                end = self._reducer_span_ends[self.ordered_peer_ids.index(peer_id)]
+                end = self._reducer_span_end(self.ordered_peer_ids.index(peer_id))
                 self._kept_local_spans.append((end - failed, end))
+
+    def _reducer_span_end(self, peer_index: int) -> int:
+        """Where the flat span of values that the groupmate at ``peer_index`` reduces ends: each reducer's parts are
+        one contiguous span, in the group's order (hivemind's TensorPartContainer)."""
+        parts_by_peer = self.tensor_part_container._input_parts_by_peer[: peer_index + 1]
+        return sum(part.numel() for parts in parts_by_peer for part, _ in parts)
 
     async def run(self):
         offset = 0
@@ -350,8 +353,6 @@ class FiniteAveragingMixin:
         self.kept_local_last_round.value = runner.values_kept_local()
         if lag and self.round_kind == "parameter":
             self._take_groupmates_values(runner)
-        elif not lag:
-            self._still_old = None
 
     def _take_groupmates_values(self, runner: FiniteAllReduceRunner) -> None:
         """After a parameter round of this peer catching up: its values that came from groupmates are the swarm's,

@@ -89,7 +89,7 @@ def test_a_newcomer_slower_to_download_than_an_epoch_catches_up_without_harming_
     assert min(r["time"] for r in b_rounds) > loaded["time"]
     assert all(r["weight"] == 0 for r in b_rounds if r["time"] < caught_up["time"])
     assert not any(r["published"] for r in b.events("epoch") if r["time"] < caught_up["time"])
-    # the round that made B whole (its first complete parameter round: collab.averagers.spans_left; its event may come
+    # the round that made B whole (taken as its first complete parameter round, as in this run; its event may come
     # after caught_up, once B's replies to A are counted) moved B to A's parameters and A by no more than fp16
     # rounding (with B's weight at 1 it would have moved A halfway to B's old parameters)
     b_catch_up_round = next(r for r in rounds(b, "parameters") if r["group_size"] >= 2 and r["values_kept_local"] == 0)
