@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -123,6 +123,30 @@ def joined_fields(dht: hivemind.DHT, client_mode: bool) -> dict:
     return {"address": addresses, "client_mode": client_mode, "reachable": reach.reachable, "reached_via": reach.via}
 
 
+class StaticRelaysP2P(P2P):
+    """hivemind's P2P whose daemon, when given trusted relays with auto-relay, reserves slots on those relays at once.
+
+    hivemind starts p2pd with relay discovery on (its ``use_relay_discovery`` has no effect), and libp2p's
+    discovery waits for 4 relay candidates or, with fewer, its 3-minute boot delay before it reserves a slot: a
+    peer behind NAT stayed unreachable for its first 3 minutes. With discovery off, p2pd takes the trusted relays
+    as libp2p's static relays, all of them candidates from the start."""
+
+    @staticmethod
+    def _make_process_args(*args, **kwargs) -> list[str]:
+        if kwargs.get("autoRelay") and kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return P2P._make_process_args(*args, **kwargs)
+
+
+class RelayedDHT(FixedDHT):
+    """A DHT whose node starts its daemon through ``StaticRelaysP2P``: hivemind's DHTNode starts it with
+    ``hivemind.dht.node.P2P``, swapped in the DHT's own process only (the peer's hivemind is left as it is)."""
+
+    def run(self) -> None:
+        hivemind.dht.node.P2P = StaticRelaysP2P
+        super().run()
+
+
 def start_dht(
     peer_args: PeerArguments,
     record_validators: Sequence[RecordValidatorBase] = (),
@@ -142,10 +166,12 @@ def start_dht(
     relay_kwargs = {"use_relay": peer_args.use_relay, "use_auto_relay": peer_args.use_auto_relay}
     if peer_args.use_auto_relay:
         # libp2p reserves relay slots only once it believes the peer is private; AutoNAT needs several peers
-        # and minutes to decide that, so a peer that asks for a relay says so itself
-        relay_kwargs["force_reachability"] = "private"
+        # and minutes to decide that, so a peer that asks for a relay says so itself. Its relays are its initial
+        # peers (StaticRelaysP2P).
+        relay_kwargs |= {"force_reachability": "private", "trusted_relays": peer_args.initial_peers}
+    dht_class = RelayedDHT if peer_args.use_auto_relay and peer_args.initial_peers else FixedDHT
     try:
-        dht = FixedDHT(
+        dht = dht_class(
             start=True,
             initial_peers=peer_args.initial_peers,
             client_mode=client_mode,

@@ -2,10 +2,10 @@
 
 Three trainers, each in its own namespace on the hub network of bench.procs: a relay peer, a third peer and a
 firewalled peer whose namespace refuses every inbound TCP connection (its SYN-ACKs are dropped on its own link, so
-no connection to it opens, while those it opens and the packets of open ones pass). In client mode it says, in its
-``joined`` event, that it is not reachable, and it must average with the others. Joining through a relay
-(--use_auto_relay) is not tested: hivemind 1.1.12's p2pd announced no relayed address here (docs/RELIABILITY.md,
-Reachability). Skipped with the reason where namespaces or the qdiscs this needs are not available.
+no connection to it opens, while those it opens and the packets of open ones pass). With --use_auto_relay it
+reserves a slot on the relay peer (its initial peer) and says, in its ``joined`` event, that it is reached through
+it; in client mode, that it is not reachable. Either way it must average with the others. Skipped with the reason
+where namespaces or the qdiscs this needs are not available.
 """
 
 from __future__ import annotations
@@ -127,6 +127,15 @@ def run_swarm(network, tmp_path, walled_flags: list[str]) -> dict:
         codes = [p.stop() for p in peers]
     assert codes == [0] * len(peers)
     return joined
+
+
+def test_a_peer_that_accepts_no_connections_joins_through_a_relay_and_averages(three_sites, tmp_path, sample_data):
+    joined = run_swarm(three_sites, tmp_path, ["--use_auto_relay", "true"])
+    assert joined["reachable"] is True and joined["reached_via"] == "relay", joined
+    relay_address = three_sites.peers[0].address
+    # every address it announces goes through a relay, the relay peer's among them: its own address is unreachable
+    assert all("/p2p-circuit/" in address for address in joined["address"]), joined
+    assert any(address.startswith(f"/ip4/{relay_address}/") for address in joined["address"]), joined
 
 
 def test_a_client_behind_a_firewall_joins_and_averages(three_sites, tmp_path, sample_data):

@@ -4,12 +4,19 @@ the experiment's prefix. tests/integration/test_relay.py runs it behind a namesp
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+import hivemind
 import pytest
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from arguments import PeerArguments
 from collab.dht import (
     Reachability,
+    RelayedDHT,
+    StaticRelaysP2P,
     address_kind,
     count_peers_under_prefix,
     joined_fields,
@@ -88,3 +95,72 @@ def test_a_started_node_reports_its_loopback_address_in_the_joined_fields():
         assert joined_fields(dht, client_mode=True)["reachable"] is False
     finally:
         dht.shutdown()
+
+
+def test_a_relayed_peer_takes_its_initial_peers_as_static_relays():
+    initial = ["/ip4/10.0.0.1/tcp/5" + PEER]
+    args = StaticRelaysP2P._make_process_args("p2pd", autoRelay=True, relay=True, trustedRelays=",".join(initial))
+    assert "-relayDiscovery=0" in args and f"-trustedRelays={initial[0]}" in args
+    # without trusted relays p2pd refuses discovery off; without auto-relay it takes no relays at all
+    assert not any(a.startswith("-relayDiscovery") for a in StaticRelaysP2P._make_process_args("p2pd", autoRelay=True))
+    assert "-relayDiscovery=0" not in StaticRelaysP2P._make_process_args("p2pd", autoRelay=False, trustedRelays="x")
+
+
+def test_p2pd_starts_with_static_relays_and_reaches_them():
+    """A real p2pd under those flags (it exits on flags it cannot take together) joins the relay it was given."""
+
+    async def start_both():
+        relay = await StaticRelaysP2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        relay_maddrs = await relay.get_visible_maddrs()
+        walled = await StaticRelaysP2P.create(
+            initial_peers=relay_maddrs,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            use_auto_relay=True,
+            force_reachability="private",
+            trusted_relays=relay_maddrs,
+        )
+        try:
+            command = Path(f"/proc/{walled._child.pid}/cmdline").read_bytes().split(b"\0")
+            peers = [info.peer_id for info in await walled.list_peers()]
+            return command, relay.peer_id, peers
+        finally:
+            await walled.shutdown()
+            await relay.shutdown()
+
+    command, relay_id, peers = asyncio.run(start_both())
+    assert b"-relayDiscovery=0" in command and any(arg.startswith(b"-trustedRelays=") for arg in command)
+    assert relay_id in peers
+
+
+def child_commands(pid: int) -> list[list[bytes]]:
+    """The command lines of the processes whose parent is ``pid``."""
+    commands = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid:
+                commands.append((stat.parent / "cmdline").read_bytes().split(b"\0"))
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return commands
+
+
+def test_a_relayed_dht_starts_its_daemon_with_static_relays_in_its_own_process_only():
+    with two_dhts() as (first, _):
+        initial = [str(maddr) for maddr in first.get_visible_maddrs()]
+        dht = RelayedDHT(
+            start=True,
+            initial_peers=initial,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            use_auto_relay=True,
+            force_reachability="private",
+            trusted_relays=initial,
+        )
+        try:
+            daemons = [c for c in child_commands(dht.pid) if any(b"-trustedRelays=" in arg for arg in c)]
+            assert len(daemons) == 1 and b"-relayDiscovery=0" in daemons[0]
+            assert hivemind.dht.node.P2P is P2P  # this process's hivemind is as it was
+            first.store("relayed_key", 1, get_dht_time() + 60)
+            assert dht.get("relayed_key", latest=True).value == 1
+        finally:
+            dht.shutdown()
