@@ -4,7 +4,6 @@ the experiment's prefix. tests/integration/test_relay.py runs it behind a namesp
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import hivemind
@@ -106,32 +105,6 @@ def test_a_relayed_peer_takes_its_initial_peers_as_static_relays():
     assert "-relayDiscovery=0" not in StaticRelaysP2P._make_process_args("p2pd", autoRelay=False, trustedRelays="x")
 
 
-def test_p2pd_starts_with_static_relays_and_reaches_them():
-    """A real p2pd under those flags (it exits on flags it cannot take together) joins the relay it was given."""
-
-    async def start_both():
-        relay = await StaticRelaysP2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        relay_maddrs = await relay.get_visible_maddrs()
-        walled = await StaticRelaysP2P.create(
-            initial_peers=relay_maddrs,
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            use_auto_relay=True,
-            force_reachability="private",
-            trusted_relays=relay_maddrs,
-        )
-        try:
-            command = Path(f"/proc/{walled._child.pid}/cmdline").read_bytes().split(b"\0")
-            peers = [info.peer_id for info in await walled.list_peers()]
-            return command, relay.peer_id, peers
-        finally:
-            await walled.shutdown()
-            await relay.shutdown()
-
-    command, relay_id, peers = asyncio.run(start_both())
-    assert b"-relayDiscovery=0" in command and any(arg.startswith(b"-trustedRelays=") for arg in command)
-    assert relay_id in peers
-
-
 def child_commands(pid: int) -> list[list[bytes]]:
     """The command lines of the processes whose parent is ``pid``."""
     commands = []
@@ -146,6 +119,7 @@ def child_commands(pid: int) -> list[list[bytes]]:
 
 
 def test_a_relayed_dht_starts_its_daemon_with_static_relays_in_its_own_process_only():
+    """A real p2pd under those flags (it exits on flags it cannot take together) joins the relay it was given."""
     with two_dhts() as (first, _):
         initial = [str(maddr) for maddr in first.get_visible_maddrs()]
         dht = RelayedDHT(
