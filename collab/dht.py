@@ -123,6 +123,11 @@ def joined_fields(dht: hivemind.DHT, client_mode: bool) -> dict:
     return {"address": addresses, "client_mode": client_mode, "reachable": reach.reachable, "reached_via": reach.via}
 
 
+def listens_at_a_public_address(peer_args: PeerArguments) -> bool:
+    """Whether this peer listens at, or announces, an internet (public) address."""
+    return any(address_kind(maddr) == "public" for maddr in [*peer_args.host_maddrs, *peer_args.announce_maddrs])
+
+
 class StaticRelaysP2P(P2P):
     """hivemind's P2P whose daemon, when given trusted relays with auto-relay, reserves slots on those relays at once.
 
@@ -169,6 +174,11 @@ def start_dht(
         # and minutes to decide that, so a peer that asks for a relay says so itself. Its relays are its initial
         # peers (StaticRelaysP2P).
         relay_kwargs |= {"force_reachability": "private", "trusted_relays": peer_args.initial_peers}
+    elif peer_args.use_relay and not client_mode and listens_at_a_public_address(peer_args):
+        # libp2p starts a second relay service when AutoNAT finds the peer public, in place of p2pd's own, and
+        # every reservation the first one held is lost (relayed peers are refused, NO_RESERVATION): a peer at a
+        # public address, a relay for others, says so from the start
+        relay_kwargs["force_reachability"] = "public"
     dht_class = RelayedDHT if peer_args.use_auto_relay and peer_args.initial_peers else FixedDHT
     try:
         dht = dht_class(

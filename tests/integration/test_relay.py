@@ -82,6 +82,37 @@ def tcp_connects(from_netns: str, to_netns: str, address: str, port: int = 7711)
         listener.wait()
 
 
+# A fresh p2pd in a namespace, bootstrapped from the relay, opens a stream to a peer it never talked to, by its ID
+# alone (no such handler there: the connection, not the call, is looked at), and prints the addresses of its
+# connection to that peer, if it has one.
+DIAL_BY_ID = """
+import asyncio, sys
+from hivemind.p2p import P2P, PeerID
+
+async def main(host, target, *relays):
+    p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=list(relays))
+    try:
+        try:
+            await asyncio.wait_for(p2p.call_binary_stream_handler(PeerID.from_base58(target), "relay-test"), 20)
+        except Exception:
+            pass
+        for info in await p2p.list_peers():
+            if info.peer_id.to_base58() == target:
+                print(*info.addrs)
+    finally:
+        await p2p.shutdown()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def connection_addresses(site, peer_id: str, initial_peers: list[str]) -> list[str]:
+    """The addresses of the connection a fresh peer at ``site`` opens to ``peer_id`` (none if it could not)."""
+    done = netns_exec(site.netns, sys.executable, "-c", DIAL_BY_ID, site.address, peer_id, *initial_peers, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
 @pytest.fixture
 def three_sites():
     """Namespaces on one hub: the relay, the third peer, and the firewalled peer (no inbound TCP)."""
@@ -100,9 +131,10 @@ def averaged_with_others(peer) -> bool:
     return any(size >= 2 for size in peer.averaging_group_sizes())
 
 
-def run_swarm(network, tmp_path, walled_flags: list[str]) -> dict:
+def run_swarm(network, tmp_path, walled_flags: list[str], check=lambda joined, relay_join: None) -> dict:
     """Start the relay and third peers, then the firewalled one with ``walled_flags``; wait until the firewalled
-    peer averaged with another; its ``joined`` event."""
+    peer averaged with another, then ``check(its joined event, the relay's join flags)`` while all run; its
+    ``joined`` event."""
     relay, third, walled = network.peers
     common = ["--experiment_prefix", f"relay{int(time.time())}", *SETTINGS]
 
@@ -121,6 +153,7 @@ def run_swarm(network, tmp_path, walled_flags: list[str]) -> dict:
             AVERAGE_S - (time.monotonic() - started),
             "the firewalled peer to average with another peer",
         )
+        check(joined, join)
         assert all(p.process.poll() is None for p in peers), "a peer died"
         assert not peers[2].tracebacks_from_our_code()
     finally:
@@ -130,12 +163,21 @@ def run_swarm(network, tmp_path, walled_flags: list[str]) -> dict:
 
 
 def test_a_peer_that_accepts_no_connections_joins_through_a_relay_and_averages(three_sites, tmp_path, sample_data):
-    joined = run_swarm(three_sites, tmp_path, ["--use_auto_relay", "true"])
+    relay, third, _ = three_sites.peers
+    reached = []
+
+    def dial_it_through_the_relay(joined, relay_join):
+        walled_id = joined["address"][0].rsplit("/p2p/", 1)[1]
+        reached.extend(connection_addresses(third, walled_id, relay_join[1:]))
+
+    joined = run_swarm(three_sites, tmp_path, ["--use_auto_relay", "true"], check=dial_it_through_the_relay)
     assert joined["reachable"] is True and joined["reached_via"] == "relay", joined
-    relay_address = three_sites.peers[0].address
     # every address it announces goes through a relay, the relay peer's among them: its own address is unreachable
     assert all("/p2p-circuit/" in address for address in joined["address"]), joined
-    assert any(address.startswith(f"/ip4/{relay_address}/") for address in joined["address"]), joined
+    assert any(address.startswith(f"/ip4/{relay.address}/") for address in joined["address"]), joined
+    # and a peer that never talked to it connects to it, through the relay (the relay, at a public address, kept
+    # the slot it reserved: collab.dht's forced reachability)
+    assert reached and all("/p2p-circuit" in address for address in reached), reached
 
 
 def test_a_client_behind_a_firewall_joins_and_averages(three_sites, tmp_path, sample_data):

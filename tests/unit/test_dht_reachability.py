@@ -19,6 +19,7 @@ from collab.dht import (
     address_kind,
     count_peers_under_prefix,
     joined_fields,
+    listens_at_a_public_address,
     reachability,
     reachability_line,
     start_dht,
@@ -64,6 +65,16 @@ def test_the_line_names_the_join_flag_only_when_reachable():
     assert line.endswith("--initial_peers " + lan) and "3 peer(s)" in line
     line = reachability_line(Reachability(False, "client_mode"), False, "demo", -1)
     assert "--initial_peers" not in line and "--experiment_prefix demo" in line and "off" in line
+
+
+def test_a_peer_listening_at_or_announcing_an_internet_address_is_public():
+    def public(host: str, announce: tuple[str, ...] = ()) -> bool:
+        return listens_at_a_public_address(PeerArguments(host_maddrs=[host], announce_maddrs=list(announce)))
+
+    assert public("/ip4/11.77.0.1/tcp/0") and public("/ip4/0.0.0.0/tcp/31337", ("/ip4/1.2.3.4/tcp/31337",))
+    assert public("/dns4/relay.example.org/tcp/31337")
+    # a LAN address, any address (0.0.0.0: which one others see is not known) and loopback are not
+    assert not any(public(f"/ip4/{host}/tcp/0") for host in ("10.0.0.5", "0.0.0.0", "127.0.0.1"))
 
 
 def test_relay_flags_are_checked():
