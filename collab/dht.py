@@ -87,15 +87,23 @@ _HOW_REACHED = {
 }
 
 
-def reachability_line(reach: Reachability, use_relay: bool, prefix: str, peers_found: int | None) -> str:
+def reachability_line(
+    reach: Reachability, use_relay: bool, prefix: str, peers_found: int | None, asked_for_relay: bool = False
+) -> str:
     """The one start-up line: reachable or not and through what, relays, then what was found under the prefix.
 
     ``peers_found``: peers with progress records under ``prefix``, -1 if the lookup found none in time, None if
-    not looked up (a first peer).
+    not looked up (a first peer). ``asked_for_relay``: the peer runs with --use_auto_relay.
     """
     how = _HOW_REACHED[reach.via]
     line = how[0].upper() + how[1:]
     line += "; relays " + ("on" if use_relay else "off (--use_relay false)")
+    if asked_for_relay and reach.via != "relay":
+        # libp2p builds relayed addresses from a relay's public addresses only
+        line += (
+            f"; --use_auto_relay: no relay slot within {RELAY_WAIT:g} s (the relays are the --initial_peers, "
+            "which must be at a public address and run with --use_relay)"
+        )
     if peers_found is not None and peers_found < 0:
         line += (
             f"; no records under --experiment_prefix {prefix} within {PREFIX_CHECK_TIMEOUT:g} s "
@@ -210,7 +218,8 @@ def start_dht(
         addresses = wait_for_relay_address(dht, addresses)
     peers_found = count_peers_under_prefix(dht, peer_args.experiment_prefix) if peer_args.initial_peers else None
     reach = reachability(addresses, client_mode)
-    logger.info(reachability_line(reach, peer_args.use_relay, peer_args.experiment_prefix, peers_found))
+    asked = peer_args.use_auto_relay and not client_mode
+    logger.info(reachability_line(reach, peer_args.use_relay, peer_args.experiment_prefix, peers_found, asked))
     return dht
 
 

@@ -67,6 +67,15 @@ def test_the_line_names_the_join_flag_only_when_reachable():
     assert "--initial_peers" not in line and "--experiment_prefix demo" in line and "off" in line
 
 
+def test_the_line_says_when_a_relay_was_asked_for_and_none_reserved():
+    lan = "/ip4/10.0.0.5/tcp/31337" + PEER
+    line = reachability_line(Reachability(True, "private", (lan,)), True, "demo", 3, asked_for_relay=True)
+    assert "--use_auto_relay: no relay slot" in line and "public address" in line
+    relayed = Reachability(True, "relay", ("/ip4/11.0.0.1/tcp/5" + PEER + "/p2p-circuit" + PEER,))
+    assert "no relay slot" not in reachability_line(relayed, True, "demo", 3, asked_for_relay=True)
+    assert "no relay slot" not in reachability_line(Reachability(True, "private", (lan,)), True, "demo", 3)
+
+
 def test_a_peer_listening_at_or_announcing_an_internet_address_is_public():
     def public(host: str, announce: tuple[str, ...] = ()) -> bool:
         return listens_at_a_public_address(PeerArguments(host_maddrs=[host], announce_maddrs=list(announce)))
