@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.integration.sites import hub_or_skip, peer_at
-from trainer.local import wait_until
+from trainer.local import LocalProcess, events_path_for, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(300)]
 
@@ -183,3 +183,36 @@ def test_a_peer_that_accepts_no_connections_joins_through_a_relay_and_averages(t
 def test_a_client_behind_a_firewall_joins_and_averages(three_sites, tmp_path, sample_data):
     joined = run_swarm(three_sites, tmp_path, ["--client_mode", "true"])
     assert joined["reachable"] is False and joined["reached_via"] == "client_mode"
+
+
+def test_a_newcomer_downloads_the_state_from_a_peer_reached_only_through_a_relay(three_sites, tmp_path, sample_data):
+    """The monitor, at a public address, is the bootstrap and the relay (it shares no state); the firewalled peer
+    trains alone, so a newcomer at the third site can load the swarm's state from it only, through the relay."""
+    relay, third, walled = three_sites.peers
+    prefix = ["--experiment_prefix", f"relaystate{int(time.time())}"]
+    common = [*prefix, *SETTINGS]
+    monitor_log = tmp_path / "monitor.log"
+    monitor = LocalProcess(
+        [*prefix, "--host_maddrs", f"/ip4/{relay.address}/tcp/0", "--refresh_period", "1"],
+        monitor_log,
+        script="run_training_monitor.py",
+        prefix=("ip", "netns", "exec", relay.netns),
+        events_path=events_path_for(monitor_log),
+    )
+    peers = [monitor]
+    try:
+        join = monitor.join_flags(timeout=JOIN_S)
+        peers.append(peer_at(walled, [*common, *join, "--use_auto_relay", "true"], tmp_path, "walled"))
+        assert peers[1].wait_for_event("joined", JOIN_S)["reached_via"] == "relay"
+        wait_until(lambda: peers[1].latest_epoch() >= 2, AVERAGE_S, "the firewalled peer to train alone")
+        peers.append(peer_at(third, [*common, *join], tmp_path, "newcomer"))
+        loaded = peers[2].wait_for_event("state_loaded", AVERAGE_S)
+        wait_until(
+            lambda: averaged_with_others(peers[2]), AVERAGE_S, "the newcomer to average with the firewalled peer"
+        )
+        assert all(p.process.poll() is None for p in peers), "a process died"
+    finally:
+        codes = [p.stop() for p in peers]
+    assert codes == [0] * len(peers)
+    # the state came from the firewalled peer (nobody else holds one): its epoch, not the newcomer's own start
+    assert loaded["epoch"] >= 2 and loaded["epoch_before"] == 0, loaded
