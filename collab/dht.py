@@ -140,9 +140,8 @@ class StaticRelaysP2P(P2P):
     """hivemind's P2P whose daemon, when given trusted relays with auto-relay, reserves slots on those relays at once.
 
     hivemind starts p2pd with relay discovery on (its ``use_relay_discovery`` has no effect), and libp2p's
-    discovery waits for 4 relay candidates or, with fewer, its 3-minute boot delay before it reserves a slot: a
-    peer behind NAT stayed unreachable for its first 3 minutes. With discovery off, p2pd takes the trusted relays
-    as libp2p's static relays, all of them candidates from the start."""
+    discovery reserves a slot only once it holds 4 relay candidates or after its 3-minute boot delay. With discovery
+    off, p2pd takes the trusted relays as libp2p's static relays, all of them candidates from the start."""
 
     @staticmethod
     def _make_process_args(*args, **kwargs) -> list[str]:
