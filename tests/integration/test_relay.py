@@ -1,12 +1,12 @@
 """A peer that cannot accept connections joins and averages, where the machine allows network namespaces (root).
 
-Three trainers, each in its own namespace on the hub network of bench.procs: a relay peer, a third peer and a
-firewalled peer whose namespace refuses every inbound TCP connection (its SYN-ACKs are dropped on its own link, so
-no connection to it opens, while those it opens and the packets of open ones pass). With --use_auto_relay it
-reserves a slot on the relay peer (its initial peer) and says, in its ``joined`` event, that it is reached through
-it; in client mode, that it is not reachable. Either way it must average with the others. Skipped with the reason
-where namespaces or the qdiscs this needs are not available.
-"""
+Three sites, each its own namespace on the hub network of bench.procs (a public range: libp2p builds relayed
+addresses from a relay's public addresses only): a relay (a trainer, or the monitor), a third peer and a firewalled
+peer whose namespace refuses every inbound TCP connection (its SYN-ACKs are dropped on its own link, so no
+connection to it opens, while those it opens and the packets of open ones pass). With --use_auto_relay it reserves
+a slot on the relay (its initial peer), says in its ``joined`` event that it is reached through it, and peers that
+never talked to it reach it there; in client mode, it says it is not reachable. Either way it must average with the
+others. Skipped with the reason where namespaces or the qdiscs this needs are not available."""
 
 from __future__ import annotations
 
