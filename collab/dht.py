@@ -171,6 +171,7 @@ def start_dht(
     DHTStartError when no initial peer answers.
     """
     client_mode = peer_args.client_mode if client_mode is None else client_mode
+    asks_for_relay = peer_args.use_auto_relay and not client_mode
     authorizer = None
     if peer_args.authorization_url:
         authorizer = WebAppAuthorizer(peer_args.authorization_url, peer_args.web_token)
@@ -213,12 +214,12 @@ def start_dht(
 
     keep_rejoining(dht, peer_args.initial_peers)
     addresses = visible_addresses(dht)
-    if peer_args.use_auto_relay and not client_mode:
+    if asks_for_relay:
         addresses = wait_for_relay_address(dht, addresses)
     peers_found = count_peers_under_prefix(dht, peer_args.experiment_prefix) if peer_args.initial_peers else None
     reach = reachability(addresses, client_mode)
-    asked = peer_args.use_auto_relay and not client_mode
-    logger.info(reachability_line(reach, peer_args.use_relay, peer_args.experiment_prefix, peers_found, asked))
+    line = reachability_line(reach, peer_args.use_relay, peer_args.experiment_prefix, peers_found, asks_for_relay)
+    logger.info(line)
     return dht
 
 

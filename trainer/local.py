@@ -291,8 +291,12 @@ def PeerProcess(  # noqa: N802
 
 
 def MonitorProcess(  # noqa: N802
-    argv: Sequence[str], log_path: Path, env: dict | None = None, script: str = "run_training_monitor.py"
+    argv: Sequence[str],
+    log_path: Path,
+    env: dict | None = None,
+    script: str = "run_training_monitor.py",
+    prefix: Sequence[str] = (),
 ) -> LocalProcess:
     """A ``run_training_monitor.py`` process (or ``script``, a wrapper that runs it) writing its events next to its
-    log."""
-    return LocalProcess(argv, log_path, env, script, events_path=events_path_for(log_path))
+    log; ``prefix`` runs it through a command (``ip netns exec NAME``)."""
+    return LocalProcess(argv, log_path, env, script, prefix, events_path=events_path_for(log_path))

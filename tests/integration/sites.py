@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.procs import NamespacesUnavailable, hub_network
-from trainer.local import PeerProcess
+from trainer.local import MonitorProcess, PeerProcess
 
 
 @contextlib.contextmanager
@@ -32,6 +32,16 @@ def peer_at(site, flags: Sequence[str], folder: Path, name: str) -> PeerProcess:
     ``folder``."""
     return PeerProcess(
         [*flags, "--host_maddrs", f"/ip4/{site.address}/tcp/0", "--output_dir", str(folder / name)],
+        folder / f"{name}.log",
+        prefix=("ip", "netns", "exec", site.netns),
+    )
+
+
+def monitor_at(site, flags: Sequence[str], folder: Path, name: str):
+    """``run_training_monitor.py FLAGS`` inside ``site``'s namespace, listening on its hub address; log in
+    ``folder``."""
+    return MonitorProcess(
+        [*flags, "--host_maddrs", f"/ip4/{site.address}/tcp/0"],
         folder / f"{name}.log",
         prefix=("ip", "netns", "exec", site.netns),
     )

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from tests.integration.sites import hub_or_skip, peer_at
-from trainer.local import LocalProcess, events_path_for, wait_until
+from tests.integration.sites import hub_or_skip, monitor_at, peer_at
+from trainer.local import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(300)]
 
@@ -191,14 +191,7 @@ def test_a_newcomer_downloads_the_state_from_a_peer_reached_only_through_a_relay
     relay, third, walled = three_sites.peers
     prefix = ["--experiment_prefix", f"relaystate{int(time.time())}"]
     common = [*prefix, *SETTINGS]
-    monitor_log = tmp_path / "monitor.log"
-    monitor = LocalProcess(
-        [*prefix, "--host_maddrs", f"/ip4/{relay.address}/tcp/0", "--refresh_period", "1"],
-        monitor_log,
-        script="run_training_monitor.py",
-        prefix=("ip", "netns", "exec", relay.netns),
-        events_path=events_path_for(monitor_log),
-    )
+    monitor = monitor_at(relay, [*prefix, "--refresh_period", "1"], tmp_path, "monitor")
     peers = [monitor]
     try:
         join = monitor.join_flags(timeout=JOIN_S)
