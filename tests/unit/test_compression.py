@@ -334,9 +334,9 @@ def test_a_reply_to_an_8bit_part_is_8bit_and_to_an_fp16_part_the_smallest_fp16_f
 
 
 class WireAverager(WireAveragerMixin, FiniteAverager):
-    """The trainers' averager stack on ``collab.compression``'s wire formats: hivemind's with the project's fixes (a
-    groupmate late to start its all-reduce is waited for, where plain hivemind drops its parts after
-    ``request_timeout``); its runner counts the round's traffic."""
+    """The trainers' averager stack on ``collab.compression``'s wire formats: hivemind's with the project's fixes
+    (parts from a groupmate that registered the round before this peer wait for it, where plain hivemind refuses
+    them); its runner counts the round's traffic."""
 
 
 @pytest.fixture(scope="module")
@@ -360,10 +360,9 @@ def average_in_one_round(
     kind: str,
     contributions: list[list[torch.Tensor]],
     weights: list[float],
-    averager_class=None,
     client_modes: list[bool] | None = None,
 ):
-    """One all-reduce among ``WireAverager``s (or ``averager_class``) on ``make_codec(kind).wire``, one per DHT (in
+    """One all-reduce among ``WireAverager``s on ``make_codec(kind).wire``, one per DHT (in
     client mode where ``client_modes`` says so); each peer's tensors after it."""
     options = dict(
         prefix=f"wire_{kind}",
@@ -381,7 +380,7 @@ def average_in_one_round(
     averagers = []
     try:
         for dht, tensors, client_mode in zip(dhts, contributions, client_modes or [False] * len(dhts), strict=True):
-            averager = (averager_class or WireAverager)(
+            averager = WireAverager(
                 [tensor.clone() for tensor in tensors], dht=dht, client_mode=client_mode, **options
             )
             averagers.append(averager)
