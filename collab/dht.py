@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from arguments import PeerArguments
+from collab import events
 from collab.access import WebAppAuthorizer
 from collab.errors import DHTStartError
 from collab.hivemind_fixes import FixedDHT, progress_key
@@ -31,6 +32,18 @@ def join_command_line(maddrs: Sequence[str]) -> str:
 
 
 RELAY_WAIT = 15.0  # seconds a --use_auto_relay peer waits for a relay slot before reporting how it is reached
+RELAY_CHECK_PERIOD = 10.0  # seconds between two reads of a --use_auto_relay peer's relays
+# libp2p's autorelay (in hivemind's p2pd, which cannot set it) asks a relay it reserved a slot on again only once an
+# hour has passed since that reservation: a relay that leaves and comes back within the hour stays unused until then
+RELAY_BACKOFF_HOURS = 1
+BACKOFF_NOTE = (
+    f"a relay that comes back is asked again within 30 s, but not before {RELAY_BACKOFF_HOURS} hour has passed since "
+    "this peer reserved its slot there (libp2p's backoff)"
+)
+ONE_RELAY_ADVICE = (
+    f"one relay: if it leaves, this peer is unreachable ({BACKOFF_NOTE}); two or more --initial_peers running "
+    "--use_relay keep it reachable"
+)
 PREFIX_CHECK_TIMEOUT = 5.0  # seconds to look for the experiment's records under --experiment_prefix
 # Best first: how another peer can reach this one, by the kind of its visible addresses.
 REACHED_VIA = ("public", "relay", "private", "loopback")
@@ -104,6 +117,8 @@ def reachability_line(
             f"; --use_auto_relay: no relay slot within {RELAY_WAIT:g} s (the relays are the --initial_peers, "
             "which must be at a public address and run with --use_relay)"
         )
+    elif asked_for_relay and len(relays_in(reach.addresses)) == 1:
+        line += "; " + ONE_RELAY_ADVICE
     if peers_found is not None and peers_found < 0:
         line += (
             f"; no records under --experiment_prefix {prefix} within {PREFIX_CHECK_TIMEOUT:g} s "
@@ -114,6 +129,75 @@ def reachability_line(
     if reach.reachable:
         line += "; start other peers with " + join_command_line(reach.addresses)
     return line
+
+
+def relays_in(addresses: Iterable[str]) -> tuple[str, ...]:
+    """The peer IDs of the relays that these /p2p-circuit addresses go through, sorted, each once."""
+    relays = set()
+    for maddr in addresses:
+        relay_part, circuit, _ = maddr.partition("/p2p-circuit")
+        if circuit and "/p2p/" in relay_part:
+            relays.add(relay_part.rsplit("/p2p/", 1)[1])
+    return tuple(sorted(relays))
+
+
+def relays_changed_line(before: Sequence[str], after: Sequence[str]) -> str:
+    """The line a --use_auto_relay peer logs when the relays it is reached through change."""
+    lost = [relay for relay in before if relay not in after]
+    gained = [relay for relay in after if relay not in before]
+    changes = [f"lost {', '.join(lost)}"] if lost else []
+    changes += [f"gained {', '.join(gained)}"] if gained else []
+    if not after:
+        return (
+            f"Not reachable any more: no relay holds a slot for this peer ({'; '.join(changes)}); it still dials "
+            f"out; {BACKOFF_NOTE}; two or more --initial_peers running --use_relay keep a peer reachable"
+        )
+    return f"Reachable through {len(after)} relay(s) now ({'; '.join(changes)})"
+
+
+@dataclasses.dataclass
+class RelayWatch:
+    """The relays a --use_auto_relay peer is reached through; ``check`` reports a change in a line and a
+    ``relays_changed`` event (docs/EVENTS.md)."""
+
+    relays: tuple[str, ...]
+
+    def check(self, addresses: Sequence[str]) -> None:
+        relays = relays_in(addresses)
+        if set(relays) == set(self.relays):
+            return
+        events.emit(
+            "relays_changed",
+            relays=list(relays),
+            lost=[relay for relay in self.relays if relay not in relays],
+            gained=[relay for relay in relays if relay not in self.relays],
+        )
+        logger.log(logging.INFO if relays else logging.WARNING, relays_changed_line(self.relays, relays))
+        self.relays = relays
+
+
+async def _watch_relays_forever(node, watch: RelayWatch, period: float) -> None:
+    """Runs inside the DHT process: every ``period`` seconds, read this node's addresses and report a change of the
+    relays it is reached through (libp2p drops a relay's addresses when its connection to it closes)."""
+    while node.is_alive:
+        await asyncio.sleep(period)
+        try:
+            addresses = [str(maddr) for maddr in await node.get_visible_maddrs(latest=True)]
+        except ValueError:
+            addresses = []  # hivemind's answer when the node has no visible address
+        except Exception as e:  # the daemon is shutting down with the node: the loop ends with it
+            logger.debug("Could not read this node's addresses: %r", e)
+            continue
+        watch.check(addresses)
+
+
+async def _start_watching_relays(_dht, node, watch: RelayWatch, period: float) -> None:
+    asyncio.create_task(_watch_relays_forever(node, watch, period))
+
+
+def watch_relays(dht: hivemind.DHT, addresses: Sequence[str], period: float = RELAY_CHECK_PERIOD) -> None:
+    """Make ``dht`` report, every ``period`` seconds, when the relays of its addresses change (``RelayWatch``)."""
+    dht.run_coroutine(functools.partial(_start_watching_relays, watch=RelayWatch(relays_in(addresses)), period=period))
 
 
 def visible_addresses(dht: hivemind.DHT) -> list[str]:
@@ -216,6 +300,7 @@ def start_dht(
     addresses = visible_addresses(dht)
     if asks_for_relay:
         addresses = wait_for_relay_address(dht, addresses)
+        watch_relays(dht, addresses)
     peers_found = count_peers_under_prefix(dht, peer_args.experiment_prefix) if peer_args.initial_peers else None
     reach = reachability(addresses, client_mode)
     line = reachability_line(reach, peer_args.use_relay, peer_args.experiment_prefix, peers_found, asks_for_relay)

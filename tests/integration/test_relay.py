@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from collab.dht import relays_in
 from tests.integration.sites import hub_or_skip, monitor_at, peer_at
 from trainer.local import wait_until
 
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout
 
 JOIN_S = 60  # seconds for a peer's joined event (the relay slot is waited for before it)
 AVERAGE_S = 120  # seconds, from the firewalled peer's start, for it to average with another peer
+RELAY_CHANGE_S = 30  # seconds for a relayed peer to report a relay it lost (it reads its addresses every 10 s)
 LINK_MBIT = 1000.0
 SETTINGS = [
     "--target_batch_size",
@@ -209,3 +211,47 @@ def test_a_newcomer_downloads_the_state_from_a_peer_reached_only_through_a_relay
     assert codes == [0] * len(peers)
     # the state came from the firewalled peer (nobody else holds one): its epoch, not the newcomer's own start
     assert loaded["epoch"] >= 2 and loaded["epoch_before"] == 0, loaded
+
+
+def relays_changed(peer, relays: list[str]) -> dict:
+    """``peer``'s first ``relays_changed`` event that leaves it with ``relays``, waited for."""
+    return peer.wait_for_event("relays_changed", RELAY_CHANGE_S, where=lambda record: record["relays"] == relays)
+
+
+def test_a_peer_with_two_relays_stays_reachable_when_one_leaves_and_says_when_none_is_left(tmp_path, sample_data):
+    """The monitor and a trainer are both relays and both initial peers of the firewalled peer; a fresh peer at a
+    fourth site reaches it through the trainer once the monitor is killed, and when the trainer stops too, the
+    firewalled peer says it is no longer reachable (libp2p asks a relay again only an hour after its reservation)."""
+    with hub_or_skip(4, LINK_MBIT, prefix="relaytwo", subnet="11.77.1") as network:
+        first, second, walled, fresh = network.peers
+        refuse_inbound_tcp(walled.netns, walled.device)
+        prefix = ["--experiment_prefix", f"relaytwo{int(time.time())}"]
+        monitor = monitor_at(first, [*prefix, "--refresh_period", "1"], tmp_path, "monitor")
+        processes = [monitor]
+        try:
+            join_first = monitor.join_flags(timeout=JOIN_S)
+            processes.append(
+                peer_at(second, [*prefix, *SETTINGS, *join_first, "--use_relay", "true"], tmp_path, "relay")
+            )
+            join_second = processes[1].join_flags(timeout=JOIN_S)
+            relays = [address.rsplit("/p2p/", 1)[1] for address in (join_first[1], join_second[1])]
+            flags = [*prefix, *SETTINGS, *join_first, *join_second[1:], "--use_auto_relay", "true"]
+            processes.append(peer_at(walled, flags, tmp_path, "walled"))
+            joined = processes[2].wait_for_event("joined", JOIN_S)
+            walled_id = joined["address"][0].rsplit("/p2p/", 1)[1]
+            assert set(relays_in(joined["address"])) == set(relays), joined  # a slot on each
+
+            monitor.crash()
+            lost_one = relays_changed(processes[2], [relays[1]])
+            assert lost_one["lost"] == [relays[0]] and lost_one["gained"] == [], lost_one
+            reached = connection_addresses(fresh, walled_id, join_second[1:])
+            assert reached and all(address.startswith(join_second[1] + "/p2p-circuit") for address in reached)
+
+            assert processes[1].stop() == 0
+            lost_both = relays_changed(processes[2], [])
+            assert lost_both["lost"] == [relays[1]], lost_both
+            assert "Not reachable any more: no relay holds a slot" in processes[2].log()
+            assert processes[2].process.poll() is None and not processes[2].tracebacks_from_our_code()
+        finally:
+            codes = [p.stop() for p in processes]
+    assert codes[1:] == [0, 0], codes  # the monitor was killed

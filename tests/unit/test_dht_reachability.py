@@ -4,6 +4,8 @@ the experiment's prefix. tests/integration/test_relay.py runs it behind a namesp
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import hivemind
@@ -12,9 +14,11 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from arguments import PeerArguments
+from collab import events
 from collab.dht import (
     Reachability,
     RelayedDHT,
+    RelayWatch,
     StaticRelaysP2P,
     address_kind,
     count_peers_under_prefix,
@@ -22,13 +26,23 @@ from collab.dht import (
     listens_at_a_public_address,
     reachability,
     reachability_line,
+    relays_in,
     start_dht,
+    watch_relays,
 )
 from collab.errors import ConfigError
 from collab.hivemind_fixes import progress_key
 from tests.local_dht import two_dhts
+from trainer.local import wait_until
 
 PEER = "/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+RELAY_A = "QmaDsctAS7MZgP9gbGEe9Yqb9JiHeivRcuVByEeBdij8gt"
+RELAY_B = "12D3KooWMRNjutnEHrYcqfCWt9UvLonkk7rpMnv7xFxsPA64uEtE"
+
+
+def through(relay: str, host: str = "11.0.0.1") -> str:
+    """This peer's address through ``relay``, as libp2p announces it."""
+    return f"/ip4/{host}/tcp/5/p2p/{relay}/p2p-circuit" + PEER
 
 
 @pytest.mark.parametrize(
@@ -74,6 +88,70 @@ def test_the_line_says_when_a_relay_was_asked_for_and_none_reserved():
     relayed = Reachability(True, "relay", ("/ip4/11.0.0.1/tcp/5" + PEER + "/p2p-circuit" + PEER,))
     assert "no relay slot" not in reachability_line(relayed, True, "demo", 3, asked_for_relay=True)
     assert "no relay slot" not in reachability_line(Reachability(True, "private", (lan,)), True, "demo", 3)
+
+
+def test_a_relayed_peer_with_a_single_relay_is_told_to_name_more():
+    one = reachability_line(Reachability(True, "relay", (through(RELAY_A),)), True, "demo", 3, asked_for_relay=True)
+    assert "one relay: if it leaves, this peer is unreachable" in one and "two or more --initial_peers" in one
+    # two addresses through one relay (TCP and QUIC, say) are still one relay
+    same = Reachability(True, "relay", (through(RELAY_A), through(RELAY_A, "11.0.0.9")))
+    assert "one relay" in reachability_line(same, True, "demo", 3, asked_for_relay=True)
+    two = Reachability(True, "relay", (through(RELAY_A), through(RELAY_B)))
+    assert "one relay" not in reachability_line(two, True, "demo", 3, asked_for_relay=True)
+
+
+def test_the_relays_of_a_peer_are_read_from_its_circuit_addresses():
+    lan = "/ip4/10.0.0.2/tcp/5" + PEER
+    addresses = [lan, through(RELAY_B), through(RELAY_A), through(RELAY_B, "11.0.0.2")]
+    assert relays_in(addresses) == (RELAY_B, RELAY_A)  # each once, sorted
+    assert relays_in([lan, "/ip4/11.0.0.1/tcp/5/p2p-circuit" + PEER]) == ()  # a circuit through no named relay
+
+
+def test_a_relay_lost_or_gained_is_one_event_and_one_line(tmp_path, caplog):
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)
+    try:
+        watch = RelayWatch((RELAY_A, RELAY_B))
+        with caplog.at_level(logging.INFO, logger="collab.dht"):
+            watch.check([through(RELAY_A), through(RELAY_B)])  # no change: nothing said
+            watch.check([through(RELAY_B)])
+            watch.check([through(RELAY_B)])
+            watch.check(["/ip4/10.0.0.2/tcp/5" + PEER])
+            watch.check([through(RELAY_A)])
+    finally:
+        events.open_event_log(None)
+    assert [{k: r[k] for k in ("relays", "lost", "gained")} for r in read(path)] == [
+        {"relays": [RELAY_B], "lost": [RELAY_A], "gained": []},
+        {"relays": [], "lost": [RELAY_B], "gained": []},
+        {"relays": [RELAY_A], "lost": [], "gained": [RELAY_A]},
+    ]
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in lines] == [logging.INFO, logging.WARNING, logging.INFO]
+    assert lines[0][1] == f"Reachable through 1 relay(s) now (lost {RELAY_A})"
+    assert lines[1][1].startswith(f"Not reachable any more: no relay holds a slot for this peer (lost {RELAY_B})")
+    assert "two or more --initial_peers running --use_relay" in lines[1][1]
+
+
+def read(path: Path) -> list[dict]:
+    return events.read_events(path, "relays_changed")
+
+
+def test_a_real_dht_reports_a_relay_its_addresses_no_longer_go_through(tmp_path):
+    """The watch runs in the DHT's own process: a node that was (as told here) reached through a relay, and whose
+    real addresses go through none, writes the event from there."""
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)  # before the DHT's process forks, which then writes to it
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        watch_relays(dht, [through(RELAY_A)], period=0.2)
+        wait_until(lambda: read(path), 20, "the DHT's relays_changed event")
+        time.sleep(1.0)  # five more reads of the same addresses
+    finally:
+        dht.shutdown()
+        events.open_event_log(None)
+    records = read(path)
+    assert len(records) == 1, records  # once: the loop does not repeat a change it reported
+    assert records[0]["relays"] == [] and records[0]["lost"] == [RELAY_A] and records[0]["gained"] == []
 
 
 def test_a_peer_listening_at_or_announcing_an_internet_address_is_public():
