@@ -32,16 +32,17 @@ def join_command_line(maddrs: Sequence[str]) -> str:
 
 
 RELAY_WAIT = 15.0  # seconds a --use_auto_relay peer waits for a relay slot before reporting how it is reached
+RELAY_SETTLE_S = 3.0  # seconds it waits on, once it holds one slot, for slots on its other relays
 RELAY_CHECK_PERIOD = 10.0  # seconds between two reads of a --use_auto_relay peer's relays
 # libp2p's autorelay (in hivemind's p2pd, which cannot set it) asks a relay it reserved a slot on again only once an
 # hour has passed since that reservation: a relay that leaves and comes back within the hour stays unused until then
 RELAY_BACKOFF_HOURS = 1
 BACKOFF_NOTE = (
     f"a relay that comes back is asked again within 30 s, but not before {RELAY_BACKOFF_HOURS} hour has passed since "
-    "this peer reserved its slot there (libp2p's backoff)"
+    "this peer reserved its slot there, libp2p's backoff"
 )
 ONE_RELAY_ADVICE = (
-    f"one relay: if it leaves, this peer is unreachable ({BACKOFF_NOTE}); two or more --initial_peers running "
+    f"one relay: if it leaves, this peer is unreachable; {BACKOFF_NOTE}; two or more --initial_peers running "
     "--use_relay keep it reachable"
 )
 PREFIX_CHECK_TIMEOUT = 5.0  # seconds to look for the experiment's records under --experiment_prefix
@@ -299,7 +300,7 @@ def start_dht(
     keep_rejoining(dht, peer_args.initial_peers)
     addresses = visible_addresses(dht)
     if asks_for_relay:
-        addresses = wait_for_relay_address(dht, addresses)
+        addresses = wait_for_relay_address(dht, addresses, relays_asked=len(peer_args.initial_peers))
         watch_relays(dht, addresses)
     peers_found = count_peers_under_prefix(dht, peer_args.experiment_prefix) if peer_args.initial_peers else None
     reach = reachability(addresses, client_mode)
@@ -308,13 +309,29 @@ def start_dht(
     return dht
 
 
-def wait_for_relay_address(dht: hivemind.DHT, addresses: list[str], timeout: float = RELAY_WAIT) -> list[str]:
-    """This node's visible addresses once one goes through a relay, or as they are after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not any(address_kind(maddr) == "relay" for maddr in addresses) and time.monotonic() < deadline:
+def relay_wait_over(relays: int, relays_asked: int, since_first_s: float, waited_s: float, timeout: float) -> bool:
+    """Whether a --use_auto_relay peer stops waiting for relay slots: it holds one on each relay it asked
+    (``relays_asked``: its initial peers), or has held one for ``RELAY_SETTLE_S`` (``since_first_s``; others may not
+    relay), or waited ``timeout`` seconds with none."""
+    if relays:
+        return relays >= relays_asked or since_first_s >= RELAY_SETTLE_S
+    return waited_s >= timeout
+
+
+def wait_for_relay_address(
+    dht: hivemind.DHT, addresses: list[str], relays_asked: int, timeout: float = RELAY_WAIT
+) -> list[str]:
+    """This node's visible addresses once they go through its relays (``relay_wait_over``)."""
+    started = time.monotonic()
+    first = None
+    while True:
+        now = time.monotonic()
+        relays = len(relays_in(addresses))
+        first = now if first is None and relays else first
+        if relay_wait_over(relays, relays_asked, now - (first or now), now - started, timeout):
+            return addresses
         time.sleep(0.5)
         addresses = visible_addresses(dht)
-    return addresses
 
 
 def count_peers_under_prefix(dht: hivemind.DHT, prefix: str, timeout: float = PREFIX_CHECK_TIMEOUT) -> int:

@@ -26,6 +26,7 @@ from collab.dht import (
     listens_at_a_public_address,
     reachability,
     reachability_line,
+    relay_wait_over,
     relays_in,
     start_dht,
     watch_relays,
@@ -98,6 +99,14 @@ def test_a_relayed_peer_with_a_single_relay_is_told_to_name_more():
     assert "one relay" in reachability_line(same, True, "demo", 3, asked_for_relay=True)
     two = Reachability(True, "relay", (through(RELAY_A), through(RELAY_B)))
     assert "one relay" not in reachability_line(two, True, "demo", 3, asked_for_relay=True)
+
+
+def test_a_relayed_peer_waits_for_a_slot_on_each_relay_it_asked_for_a_few_seconds_at_most():
+    # (relays held, relays asked, seconds since the first slot, seconds waited, timeout)
+    assert relay_wait_over(2, 2, 0.0, 1.0, 15) and relay_wait_over(1, 1, 0.0, 1.0, 15)
+    assert not relay_wait_over(1, 2, 1.0, 2.0, 15)  # the second relay's slot may come a moment later
+    assert relay_wait_over(1, 2, 3.0, 4.0, 15)  # the other initial peer may not relay at all
+    assert not relay_wait_over(0, 2, 0.0, 14.0, 15) and relay_wait_over(0, 2, 0.0, 15.0, 15)
 
 
 def test_the_relays_of_a_peer_are_read_from_its_circuit_addresses():
