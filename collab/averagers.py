@@ -897,7 +897,11 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         local epoch when the round is scheduled or begun, before the step that ends that epoch) and giving up a round
         once the swarm's epoch shows that its group formed without this peer."""
         state_averager = self.state_averager
-        averager = super()._make_gradient_averager(partial(factory, state_lag=state_averager.state_lag), **kwargs)
+        # hivemind hands averager_opts to the state averager only: the follower's wait for a leader's answer, sized by
+        # the link (collab.timeouts), is the gradient averager's too
+        request_timeout = state_averager.matchmaking_kwargs["request_timeout"]
+        factory = partial(factory, state_lag=state_averager.state_lag, request_timeout=request_timeout)
+        averager = super()._make_gradient_averager(factory, **kwargs)
         averager.round_epoch = lambda: state_averager.local_epoch
         averager.tracked_swarm_epoch = self._tracked_swarm_epoch
         return averager

@@ -366,7 +366,11 @@ def build_optimizer(
         client_mode=peer_args.client_mode,
         state_averaging_compression=Float16Compression(),
         load_state_compression=Float16Compression(),
-        averager_opts={"bandwidth": optimizer_args.bandwidth, "target_group_size": averager_args.target_group_size},
+        averager_opts={
+            "bandwidth": optimizer_args.bandwidth,
+            "target_group_size": averager_args.target_group_size,
+            "request_timeout": timeouts.request_timeout,
+        },
         tracker_opts=tracker_opts,
         verbose=True,
         **mode,

@@ -18,6 +18,11 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
 - A state download: the state's bytes through the donor's upload, ``DOWNLOAD_MARGIN`` times over. Its first chunk
   may wait for the donor's parameter round to end (hivemind serves the state between rounds): ``ROUND_MARGIN`` times
   a round, within the averaging timeout and at least a chunk's time (``first_chunk_timeout``).
+- A matchmaking answer: a leader's answer to a follower (accepted, begin the round) travels on the link that carries
+  the rounds, and waits behind a round's data in flight there; a follower that stops waiting while its leader goes
+  on leaves a group whose leader waits for it a chunk timeout and averages nothing with it. hivemind waits
+  ``REQUEST_TIMEOUT_FLOOR`` (its default); here at least one part's time as well (``request_timeout``), within the
+  chunk timeout.
 - Late groupmates: each peer starts its part of a pre-scheduled round when its own step begins, and groupmates that
   notice the epoch's end later (a slower step, a slower DHT) start later. A groupmate that starts after the sender
   timeout is dropped from the round and its values stay unaveraged. Each averager lengthens its sender timeout
@@ -40,6 +45,7 @@ from arguments import MAX_SHUTDOWN_TIMEOUT  # the flag's cap caps the derived de
 
 AVERAGING_TIMEOUT_FLOOR = 60.0  # seconds: today's default, enough for the demo's model on a LAN
 LOAD_STATE_TIMEOUT_FLOOR = 120.0
+REQUEST_TIMEOUT_FLOOR = 3.0  # hivemind's request_timeout, right on a LAN
 SHUTDOWN_AVERAGING_WAIT_FLOOR = 10.0  # seconds a departing peer waits for its last background round, at least
 SHUTDOWN_DEADLINE_FLOOR = 25.0  # seconds from the first SIGTERM to a forced exit, at least
 SHUTDOWN_ALLOWANCE = 15.0  # seconds for the loop's last step and hivemind's and the DHT's shutdown
@@ -87,13 +93,14 @@ class Timeouts:
     # A state download's first chunk: a donor serves between its parameter rounds, so a download asked during one
     # waits for a round's time (ROUND_MARGIN x round, within the averaging timeout), then tries another donor
     first_chunk_timeout: float | None = None
+    request_timeout: float = REQUEST_TIMEOUT_FLOOR  # a follower's wait for its leader's answer (module docstring)
 
     def describe(self) -> str:
         """One line for the log: every value and how it was derived."""
         return (
             f"Timeouts: averaging_timeout {self.averaging_timeout:.0f} s, next_chunk_timeout "
-            f"{self.next_chunk_timeout:.1f} s, load_state_timeout {self.load_state_timeout:.0f} s, shutdown deadline "
-            f"{self.shutdown_deadline:.0f} s ({self.how})"
+            f"{self.next_chunk_timeout:.1f} s, request_timeout {self.request_timeout:.1f} s, load_state_timeout "
+            f"{self.load_state_timeout:.0f} s, shutdown deadline {self.shutdown_deadline:.0f} s ({self.how})"
         )
 
 
@@ -190,7 +197,8 @@ def derive_timeouts(
     ]
     how = transfers.how + (f"; {', '.join(given)} as given" if given else "")
     first_chunk = min(averaging, max(chunk, ROUND_MARGIN * transfers.round_seconds))
-    return Timeouts(averaging, chunk, load, wait, deadline, how, first_chunk)
+    request = min(chunk, max(REQUEST_TIMEOUT_FLOOR, transfers.part_seconds))
+    return Timeouts(averaging, chunk, load, wait, deadline, how, first_chunk, request)
 
 
 def part_timeout_need(latest_start: float, dropped: bool, timeout: float) -> float:

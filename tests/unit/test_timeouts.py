@@ -77,6 +77,24 @@ def test_a_low_communication_parameter_round_carries_anchor_and_momentum_so_take
     assert derive_timeouts(lowcomm, 3.0).averaging_timeout == pytest.approx(3 + 2 * 112)
 
 
+def test_a_follower_waits_for_its_leader_s_answer_as_long_as_a_part_takes_on_its_link():
+    # the last-round scenario's peers: 1M parameters, fp16 anchors and momentum (4 MB a round), groups of up to 256,
+    # 1 Mbit/s: a leader's answer may queue behind a part of 4 MB x 255/256 on the link, 32 s
+    slow = estimate_transfers(
+        parameters=1_007_744,
+        round_values_per_parameter=2,
+        state_values_per_parameter=4,
+        bytes_per_value=2,
+        model_bytes=4_000_000,
+        group_size=256,
+        bandwidth_mbit=1.0,
+    )
+    assert derive_timeouts(slow, 2.0).request_timeout == pytest.approx(1_007_744 * 4 * 255 / 256 / 125_000)
+    assert derive_timeouts(slow, 2.0, next_chunk_timeout=10.0).request_timeout == 10.0  # within a chunk's time
+    # on a LAN, hivemind's 3 s
+    assert derive_timeouts(transfers_100m(bandwidth_mbit=1000.0), 3.0).request_timeout == 3.0
+
+
 def test_a_small_model_on_a_lan_keeps_today_s_defaults():
     transfers = estimate_transfers(
         parameters=5_000_000,
@@ -174,6 +192,8 @@ def test_derived_timeouts_reach_hivemind_s_optimizer_and_averagers_and_flags_sti
         assert optimizer.load_state_timeout == pytest.approx(expected_load)
         for averager in (optimizer.state_averager, optimizer.grad_averager):
             assert averager.next_chunk_timeout == pytest.approx(expected_chunk)
+            # a follower waits for its leader's answer a part's time (half the chunk timeout), 3 s at least
+            assert averager.matchmaking_kwargs["request_timeout"] == pytest.approx(max(3.0, expected_chunk / 2))
         expected_first_chunk = min(expected_averaging, max(expected_chunk, 2 * round_seconds))
         assert optimizer.state_averager.first_chunk_timeout == pytest.approx(expected_first_chunk)
         optimizer.shutdown()
