@@ -48,7 +48,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
 from hivemind.utils.asyncio import cancel_and_wait
@@ -217,6 +217,8 @@ class EpochMatchmaking(Matchmaking):
     stops looking as soon as its owner cancels it (``looking_until_cancelled``); its rounds declare themselves for
     the window the DHT's measured speed calls for (``MatchmakingWindow``)."""
 
+    leader_asked: PeerID | None = None  # the leader this round asked to join, until it answers or the ask ends
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.window = MatchmakingWindow(self.min_matchmaking_time)
@@ -247,8 +249,7 @@ class EpochMatchmaking(Matchmaking):
         if looking is not None and not looking.done():
             looking_epoch = gathered_round_epoch(looking.data_for_gather)  # this peer's own data: readable
             next_epoch = gathered_round_epoch(step.data_for_gather)
-            groupmates = self.current_leader is not None or bool(self.current_followers)
-            if steps_aside(looking_epoch, next_epoch, looking.triggered, groupmates):
+            if steps_aside(looking_epoch, next_epoch, looking.triggered, self.groupmates_in_sight()):
                 logger.warning(
                     f"Gave up this peer's round of epoch {looking_epoch}, still looking for a group with no groupmate "
                     f"in sight, for its round of epoch {next_epoch}. That epoch goes on with this peer's own values"
@@ -260,6 +261,18 @@ class EpochMatchmaking(Matchmaking):
                 late = round(get_dht_time() - looking.scheduled_time, 3)
                 events.emit("round_given_up", seconds=late, reason="next_round")
         return await looking_until_cancelled(super().look_for_group(step), step)
+
+    def groupmates_in_sight(self) -> bool:
+        """Whether this peer's round has a leader, followers, or a leader it asked to join: on a slow link that
+        leader's answer comes late, and the leader may already count this peer in its group."""
+        return self.current_leader is not None or bool(self.current_followers) or self.leader_asked is not None
+
+    async def _request_join_group(self, leader: PeerID):
+        self.leader_asked = leader
+        try:
+            return await super()._request_join_group(leader)
+        finally:
+            self.leader_asked = None
 
     async def _request_join_potential_leaders(self, step: StepControl) -> GroupInfo:
         """hivemind's, once the previous round's withdrawal is stored (module docstring). Meanwhile a peer that asks

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import math
 import time
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from collab.hivemind_fixes import STALE_ROUND_FACTOR, FixedDecentralizedAverager
 from collab.matchmaking import (
+    EpochMatchmaking,
     MatchmakingWindow,
     TimedGroupKeyManager,
     gathered_part_timeout,
@@ -50,6 +52,19 @@ def test_a_triggered_round_alone_steps_aside_for_a_later_epochs_round_and_one_wi
 def as_sent(user_data) -> bytes:
     """A round's gathered data as hivemind's ``DecentralizedAverager.step`` serialises it."""
     return MSGPackSerializer.dumps([1e8, 0, MSGPackSerializer.dumps(user_data)])
+
+
+def test_a_round_that_asked_a_leader_and_has_no_answer_yet_has_a_groupmate_in_sight():
+    """On a slow link the leader's answer (accepted, then begin) arrives late, while the leader already counts this
+    peer in its group: a round waiting for it must not step aside, or the leader waits for it a chunk timeout."""
+
+    def in_sight(leader=None, followers=(), asked=None) -> bool:
+        followers = dict.fromkeys(followers)
+        state = types.SimpleNamespace(current_leader=leader, current_followers=followers, leader_asked=asked)
+        return EpochMatchmaking.groupmates_in_sight(state)
+
+    assert not in_sight()
+    assert in_sight(asked="leader") and in_sight(leader="leader") and in_sight(followers=["follower"])
 
 
 def test_the_gathered_epoch_is_read_as_sent_and_anything_else_is_refused():
