@@ -34,9 +34,7 @@ def join_command_line(maddrs: Sequence[str]) -> str:
 RELAY_WAIT = 15.0  # seconds a --use_auto_relay peer waits for a relay slot before reporting how it is reached
 RELAY_SETTLE_S = 3.0  # seconds it waits on, once it holds one slot, for slots on its other relays
 RELAY_CHECK_PERIOD = 10.0  # seconds between two reads of a --use_auto_relay peer's relays
-# libp2p's autorelay (in hivemind's p2pd, which cannot set it) asks a relay it reserved a slot on again only once an
-# hour has passed since that reservation: a relay that leaves and comes back within the hour stays unused until then
-RELAY_BACKOFF_HOURS = 1
+RELAY_BACKOFF_HOURS = 1  # libp2p autorelay's backoff, which p2pd cannot set (docs/RELIABILITY.md, Reachability)
 BACKOFF_NOTE = (
     f"a relay that comes back is asked again within 30 s, but not before {RELAY_BACKOFF_HOURS} hour has passed since "
     "this peer reserved its slot there, libp2p's backoff"
@@ -142,10 +140,8 @@ def relays_in(addresses: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(relays))
 
 
-def relays_changed_line(before: Sequence[str], after: Sequence[str]) -> str:
-    """The line a --use_auto_relay peer logs when the relays it is reached through change."""
-    lost = [relay for relay in before if relay not in after]
-    gained = [relay for relay in after if relay not in before]
+def relays_changed_line(after: Sequence[str], lost: Sequence[str], gained: Sequence[str]) -> str:
+    """The line a --use_auto_relay peer logs when the relays it is reached through change to ``after``."""
     changes = [f"lost {', '.join(lost)}"] if lost else []
     changes += [f"gained {', '.join(gained)}"] if gained else []
     if not after:
@@ -167,13 +163,10 @@ class RelayWatch:
         relays = relays_in(addresses)
         if set(relays) == set(self.relays):
             return
-        events.emit(
-            "relays_changed",
-            relays=list(relays),
-            lost=[relay for relay in self.relays if relay not in relays],
-            gained=[relay for relay in relays if relay not in self.relays],
-        )
-        logger.log(logging.INFO if relays else logging.WARNING, relays_changed_line(self.relays, relays))
+        lost = [relay for relay in self.relays if relay not in relays]
+        gained = [relay for relay in relays if relay not in self.relays]
+        events.emit("relays_changed", relays=list(relays), lost=lost, gained=gained)
+        logger.log(logging.INFO if relays else logging.WARNING, relays_changed_line(relays, lost, gained))
         self.relays = relays
 
 
@@ -322,13 +315,11 @@ def wait_for_relay_address(
     dht: hivemind.DHT, addresses: list[str], relays_asked: int, timeout: float = RELAY_WAIT
 ) -> list[str]:
     """This node's visible addresses once they go through its relays (``relay_wait_over``)."""
-    started = time.monotonic()
-    first = None
+    started = first_slot = time.monotonic()
     while True:
-        now = time.monotonic()
-        relays = len(relays_in(addresses))
-        first = now if first is None and relays else first
-        if relay_wait_over(relays, relays_asked, now - (first or now), now - started, timeout):
+        now, relays = time.monotonic(), len(relays_in(addresses))
+        first_slot = first_slot if relays else now  # the clock since the first slot runs once there is one
+        if relay_wait_over(relays, relays_asked, now - first_slot, now - started, timeout):
             return addresses
         time.sleep(0.5)
         addresses = visible_addresses(dht)

@@ -10,9 +10,11 @@ others. Skipped with the reason where namespaces or the qdiscs this needs are no
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -115,18 +117,30 @@ def connection_addresses(site, peer_id: str, initial_peers: list[str]) -> list[s
     return done.stdout.split()
 
 
+@contextlib.contextmanager
+def sites_with_a_firewall(count: int, prefix: str, subnet: str) -> Iterator:
+    """``count`` namespaces on one hub, the third (index 2) firewalled: no inbound TCP reaches it, it dials out."""
+    # libp2p builds relayed addresses from a relay's public addresses only (private ones are dropped), so the hub
+    # uses a public range; its namespaces route nowhere else
+    with hub_or_skip(count, LINK_MBIT, prefix=prefix, subnet=subnet) as network:
+        other, walled = network.peers[1], network.peers[2]
+        assert tcp_connects(other.netns, walled.netns, walled.address), "the hub network does not connect"
+        refuse_inbound_tcp(walled.netns, walled.device)
+        assert not tcp_connects(other.netns, walled.netns, walled.address), "inbound TCP still reaches the peer"
+        assert tcp_connects(walled.netns, other.netns, other.address), "the firewalled peer cannot dial out"
+        yield network
+
+
 @pytest.fixture
 def three_sites():
     """Namespaces on one hub: the relay, the third peer, and the firewalled peer (no inbound TCP)."""
-    # libp2p builds relayed addresses from a relay's public addresses only (private ones are dropped), so the hub
-    # uses a public range; its namespaces route nowhere else
-    with hub_or_skip(3, LINK_MBIT, prefix="relaytest", subnet="11.77.0") as network:
-        relay, third, walled = network.peers
-        assert tcp_connects(third.netns, walled.netns, walled.address), "the hub network does not connect"
-        refuse_inbound_tcp(walled.netns, walled.device)
-        assert not tcp_connects(third.netns, walled.netns, walled.address), "inbound TCP still reaches the peer"
-        assert tcp_connects(walled.netns, third.netns, third.address), "the firewalled peer cannot dial out"
+    with sites_with_a_firewall(3, prefix="relaytest", subnet="11.77.0") as network:
         yield network
+
+
+def peer_id(address: str) -> str:
+    """The peer ID that ends a multiaddr (``.../p2p/ID``)."""
+    return address.rsplit("/p2p/", 1)[1]
 
 
 def averaged_with_others(peer) -> bool:
@@ -169,7 +183,7 @@ def test_a_peer_that_accepts_no_connections_joins_through_a_relay_and_averages(t
     reached = []
 
     def dial_it_through_the_relay(joined, relay_join):
-        walled_id = joined["address"][0].rsplit("/p2p/", 1)[1]
+        walled_id = peer_id(joined["address"][0])
         reached.extend(connection_addresses(third, walled_id, relay_join[1:]))
 
     joined = run_swarm(three_sites, tmp_path, ["--use_auto_relay", "true"], check=dial_it_through_the_relay)
@@ -222,9 +236,8 @@ def test_a_peer_with_two_relays_stays_reachable_when_one_leaves_and_says_when_no
     """The monitor and a trainer are both relays and both initial peers of the firewalled peer; a fresh peer at a
     fourth site reaches it through the trainer once the monitor is killed, and when the trainer stops too, the
     firewalled peer says it is no longer reachable (libp2p asks a relay again only an hour after its reservation)."""
-    with hub_or_skip(4, LINK_MBIT, prefix="relaytwo", subnet="11.77.1") as network:
+    with sites_with_a_firewall(4, prefix="relaytwo", subnet="11.77.1") as network:
         first, second, walled, fresh = network.peers
-        refuse_inbound_tcp(walled.netns, walled.device)
         prefix = ["--experiment_prefix", f"relaytwo{int(time.time())}"]
         monitor = monitor_at(first, [*prefix, "--refresh_period", "1"], tmp_path, "monitor")
         processes = [monitor]
@@ -234,11 +247,11 @@ def test_a_peer_with_two_relays_stays_reachable_when_one_leaves_and_says_when_no
                 peer_at(second, [*prefix, *SETTINGS, *join_first, "--use_relay", "true"], tmp_path, "relay")
             )
             join_second = processes[1].join_flags(timeout=JOIN_S)
-            relays = [address.rsplit("/p2p/", 1)[1] for address in (join_first[1], join_second[1])]
+            relays = [peer_id(join_first[1]), peer_id(join_second[1])]
             flags = [*prefix, *SETTINGS, *join_first, *join_second[1:], "--use_auto_relay", "true"]
             processes.append(peer_at(walled, flags, tmp_path, "walled"))
             joined = processes[2].wait_for_event("joined", JOIN_S)
-            walled_id = joined["address"][0].rsplit("/p2p/", 1)[1]
+            walled_id = peer_id(joined["address"][0])
             assert set(relays_in(joined["address"])) == set(relays), joined  # a slot on each
 
             monitor.crash()
