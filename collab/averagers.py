@@ -73,7 +73,8 @@ from collab.hivemind_fixes import (
     honest_progress_epoch,
     read_progress_records,
 )
-from collab.matchmaking import WINDOW_LOG_STEP, gathered_part_timeout
+from collab.matchmaking import WINDOW_LOG_STEP, gathered_part_timeout, gathered_shared_average
+from collab.shared_average import SharedAverageRunnerMixin
 from collab.timeouts import (
     CHUNKS_PER_ROUND_TIMEOUT,
     MAX_NEXT_CHUNK_TIMEOUT,
@@ -124,9 +125,10 @@ class FiniteTensorPartReducer(TensorPartReducer):
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
 
-class FiniteAllReduceRunner(TrafficCountingMixin, AllReduceRunner):
+class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllReduceRunner):
     """hivemind's all-reduce with a ``FiniteTensorPartReducer`` and non-finite averaged values kept local; one
-    WARNING per round that dropped anything, naming ``round_kind``."""
+    WARNING per round that dropped anything, naming ``round_kind``. With ``shared_average``, one average for the whole
+    group (``collab.shared_average``)."""
 
     def __init__(self, *, round_kind: str, **kwargs):
         super().__init__(**kwargs)
@@ -226,6 +228,9 @@ class FiniteAveragingMixin:
     """Runs this averager's all-reduce rounds with ``FiniteAllReduceRunner``; put it before the hivemind class."""
 
     round_kind: str  # named in the warning of a round that dropped values
+    # Whether this averager's rounds are of fresh quantities that every groupmate should end with alike
+    # (``collab.shared_average``); it gathers the ask, and a round is shared when every groupmate asked.
+    asks_shared_average = False
     # Shared with the optimizer and the other averager (an mp.Value(c_int)): how many epochs the state this peer
     # catches up from was behind the swarm's when it took it (``BoundedLoadOptimizer``); 0 once it holds the swarm's.
     # None: always a full member.
@@ -325,8 +330,10 @@ class FiniteAveragingMixin:
             seconds = group_part_timeout(kwargs["sender_timeout"], gathered, self._part_timeout_sizer().cap)
             kwargs.update(sender_timeout=seconds, reducer_timeout=2 * seconds)
         group_id = group_info.group_id if group_id is None else group_id
+        shared = self.asks_shared_average and all(map(gathered_shared_average, group_info.gathered))
         runner = FiniteAllReduceRunner(
             round_kind=self.round_kind,
+            shared_average=shared,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

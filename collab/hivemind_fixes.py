@@ -413,7 +413,8 @@ def averager_step_marking_stale_time(self, gather=None, *args, **kwargs):
     part_timeout = getattr(self, "current_part_timeout", None)
     if gather is None and (round_epoch is not None or part_timeout is not None):
         epoch = None if round_epoch is None else round_epoch()
-        gather = round_gather(epoch, None if part_timeout is None else part_timeout())
+        shared = getattr(self, "asks_shared_average", False)
+        gather = round_gather(epoch, None if part_timeout is None else part_timeout(), shared)
     elif type(gather) is int:  # hivemind's parameter rounds gather the epoch their step begins, after the one averaged
         epoch = gather - 1
     result = _original_averager_step(self, gather, *args, **kwargs)

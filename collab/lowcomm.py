@@ -265,6 +265,7 @@ class PseudoGradientAverager(WireAveragerMixin, FiniteGradientAverager):
     to local gradients. Samples are counted, gradients are not (the inner optimizer consumes them)."""
 
     round_kind = "pseudo-gradient"
+    asks_shared_average = True  # every peer applies the same averaged pseudo-gradient (collab.shared_average)
 
     def __init__(self, *args, state_averager: LowCommStateAverager, codec: PseudoGradientCodec, **kwargs):
         self.state_averager, self.codec = state_averager, codec

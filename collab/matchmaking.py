@@ -61,14 +61,17 @@ logger = get_logger(__name__)
 
 ROUND_EPOCH = "round_epoch"  # the key of a round's epoch in the data its peer gathers
 PART_TIMEOUT = "part_timeout"  # the key of the sender timeout its peer would use (``collab.timeouts.part_timeout``)
+SHARED_AVERAGE = "shared_average"  # true: its peer asks for one average for the group (collab.shared_average)
 
 
-def round_gather(epoch: int | None, part_timeout: float | None = None) -> dict:
+def round_gather(epoch: int | None, part_timeout: float | None = None, shared_average: bool = False) -> dict:
     """The data a peer gathers with its round (``DecentralizedAverager.step(gather=...)``): the round's ``epoch``
-    and this peer's ``part_timeout``, each where known."""
+    and this peer's ``part_timeout``, each where known, and whether it asks for a shared average."""
     gather: dict = {} if epoch is None else {ROUND_EPOCH: int(epoch)}
     if part_timeout is not None:
         gather[PART_TIMEOUT] = float(part_timeout)
+    if shared_average:
+        gather[SHARED_AVERAGE] = True
     return gather
 
 
@@ -93,6 +96,15 @@ def gathered_part_timeout(data_for_gather: bytes) -> float | None:
     if type(seconds) not in (int, float) or not 0 < seconds < math.inf:
         return None
     return float(seconds)
+
+
+def gathered_shared_average(data_for_gather: bytes) -> bool:
+    """Whether a groupmate asked for a shared average in the data it gathered (False where the data cannot be read)."""
+    try:
+        gathered = gathered_user_data(data_for_gather)
+    except ValueError:
+        return False
+    return isinstance(gathered, dict) and gathered.get(SHARED_AVERAGE) is True
 
 
 def gathered_round_epoch(data_for_gather: bytes) -> int | None:

@@ -339,6 +339,12 @@ class WireAverager(WireAveragerMixin, FiniteAverager):
     them); its runner counts the round's traffic."""
 
 
+class SharedWireAverager(WireAverager):
+    """``WireAverager`` asking for one average for the group, as the pseudo-gradient averager does."""
+
+    asks_shared_average = True
+
+
 @pytest.fixture(scope="module")
 def three_dhts() -> Iterator[list[hivemind.DHT]]:
     with contextlib.ExitStack() as stack:
@@ -361,8 +367,9 @@ def average_in_one_round(
     contributions: list[list[torch.Tensor]],
     weights: list[float],
     client_modes: list[bool] | None = None,
+    averager_classes: list[type] | None = None,
 ):
-    """One all-reduce among ``WireAverager``s on ``make_codec(kind).wire``, one per DHT (in
+    """One all-reduce among ``WireAverager``s (or ``averager_classes``) on ``make_codec(kind).wire``, one per DHT (in
     client mode where ``client_modes`` says so); each peer's tensors after it."""
     options = dict(
         prefix=f"wire_{kind}",
@@ -379,8 +386,11 @@ def average_in_one_round(
     )
     averagers = []
     try:
-        for dht, tensors, client_mode in zip(dhts, contributions, client_modes or [False] * len(dhts), strict=True):
-            averager = WireAverager(
+        classes = averager_classes or [WireAverager] * len(dhts)
+        for dht, tensors, client_mode, averager_class in zip(
+            dhts, contributions, client_modes or [False] * len(dhts), classes, strict=True
+        ):
+            averager = averager_class(
                 [tensor.clone() for tensor in tensors], dht=dht, client_mode=client_mode, **options
             )
             averagers.append(averager)
@@ -430,6 +440,51 @@ def test_an_all_reduce_on_the_8bit_wire_gives_the_mean_within_a_few_percent(thre
     for tensors in average_in_one_round(three_dhts, "8bit", contributions, weights):
         assert (tensors[0] - expected[0]).norm() < 0.02 * expected[0].norm()  # the part, then the reply
         assert (tensors[1] - expected[1]).abs().max() <= 2**-9 * expected[1].abs().max()
+
+
+def largest_disagreement(results: list[list[torch.Tensor]]) -> float:
+    """The largest difference of any value between any peer's result and the first peer's."""
+    return max(float((tensors[i] - results[0][i]).abs().max()) for tensors in results[1:] for i in range(2))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["8bit", "topk"])
+def test_after_a_shared_average_round_every_peer_holds_the_same_values(three_dhts, kind):
+    """hivemind's replies (the average minus each sender's part, compressed) leave each peer with its own rounding:
+    on the 8-bit wire about a percent apart. With every groupmate asking for a shared average they end alike, to the
+    fp32 rounding of adding the average's difference to their own values, and still hold the mean."""
+    generator, weights = torch.Generator().manual_seed(9), [1.0, 1.0, 2.0]
+    contributions = []
+    for _ in range(3):
+        codec, tensors = make_codec(kind), [torch.randn(2 * TOP_K_VALUES, generator=generator), torch.randn(1000)]
+        for index, tensor in enumerate(tensors):
+            codec.encode_(index, tensor)
+        contributions.append(tensors)
+    expected = weighted_mean(contributions, weights)
+    scale = max(float(tensor.abs().max()) for tensors in contributions for tensor in tensors)
+    apart = largest_disagreement(average_in_one_round(three_dhts, kind, contributions, weights))
+    shared = average_in_one_round(three_dhts, kind, contributions, weights, averager_classes=[SharedWireAverager] * 3)
+    assert apart > 1e-4 * scale  # hivemind's replies: each peer its own rounding
+    assert largest_disagreement(shared) <= 4 * torch.finfo(torch.float32).eps * scale
+    tolerance = 0.01 if kind == "8bit" else 2**-10  # the 8-bit wire's error on the average; fp16's rounding
+    for tensors in shared:
+        for result, mean in zip(tensors, expected, strict=True):
+            assert (result - mean).norm() <= tolerance * mean.norm()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_with_a_peer_that_does_not_ask_for_a_shared_average_averages_as_hivemind_does(three_dhts):
+    """A groupmate of an earlier version gathers no ask: the whole group answers with differences, and every peer
+    still holds the mean within the wire's error (an average read as a difference would be far off)."""
+    generator, weights = torch.Generator().manual_seed(10), [1.0, 1.0, 1.0]
+    contributions = [[torch.randn(2 * TOP_K_VALUES, generator=generator), torch.randn(1000)] for _ in range(3)]
+    expected = weighted_mean(contributions, weights)
+    classes = [SharedWireAverager, SharedWireAverager, WireAverager]
+    results = average_in_one_round(three_dhts, "8bit", contributions, weights, averager_classes=classes)
+    for tensors in results:
+        assert (tensors[0] - expected[0]).norm() < 0.02 * expected[0].norm()
+        assert (tensors[1] - expected[1]).abs().max() <= 2**-9 * expected[1].abs().max()
+    assert largest_disagreement(results) > 0  # differences, each peer with its own rounding
 
 
 @pytest.mark.timeout(60)

@@ -27,6 +27,7 @@ from collab.matchmaking import (
     TimedGroupKeyManager,
     gathered_part_timeout,
     gathered_round_epoch,
+    gathered_shared_average,
     matchmaking_window,
     round_gather,
     rounds_may_meet,
@@ -92,6 +93,18 @@ def test_a_groupmates_part_timeout_is_read_when_it_is_a_positive_finite_number()
         assert gathered_part_timeout(as_sent({"part_timeout": seconds})) is None, seconds
     for garbage in (b"", b"\xc1", MSGPackSerializer.dumps([1.0, 0]), MSGPackSerializer.dumps([1.0, 0, b"\xc1"])):
         assert gathered_part_timeout(garbage) is None
+
+
+def test_a_groupmate_asks_for_a_shared_average_only_by_gathering_true():
+    assert gathered_shared_average(as_sent(round_gather(7, 12.5, shared_average=True)))
+    assert gathered_part_timeout(as_sent(round_gather(7, 12.5, shared_average=True))) == 12.5  # all travel together
+    assert not gathered_shared_average(as_sent(round_gather(7, 12.5)))  # an older peer, or a parameter round
+    assert not gathered_shared_average(as_sent(None))  # plain hivemind
+    assert not gathered_shared_average(as_sent(8))
+    for value in (1, "yes", [True], None, False):
+        assert not gathered_shared_average(as_sent({"shared_average": value})), value
+    for garbage in (b"", b"\xc1", MSGPackSerializer.dumps([1.0, 0])):
+        assert not gathered_shared_average(garbage)
 
 
 def test_rounds_meet_when_their_epochs_match_or_one_names_none():
