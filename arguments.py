@@ -260,8 +260,8 @@ class OptimizerArguments:
         metadata={
             "help": "Average parameters with peers every this many global epochs (Lamb's statistics are not averaged: "
             "every peer updates them from the same averaged gradients). Unset: 2 in the synchronous mode; in the "
-            "low-communication mode, as rarely as keeps a parameter round's bytes at a quarter of the "
-            "pseudo-gradients' (every 8 rounds with fp16, 16 with 8bit, 32 with topk). 1 repairs a peer that missed "
+            "low-communication mode, as rarely as keeps a parameter round's bytes at an eighth of the "
+            "pseudo-gradients' (every 16 rounds with fp16, 32 with 8bit and topk). 1 repairs a peer that missed "
             "a round soonest; higher saves traffic"
         },
     )

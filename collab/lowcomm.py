@@ -54,14 +54,15 @@ def round_target_samples(local_steps: int, target_batch_size: int) -> int:
 # test_parameter_rounds.py) at a quarter less traffic than every epoch (docs/benchmarks/2026-11-25-amd-epyc-2core.md).
 SYNC_PARAMETER_ROUND_EVERY = 2
 # Low-communication mode: parameter rounds (the anchor and the outer momentum, each in fp16) only repair a peer that
-# missed a round, so they come as rarely as keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes (each
-# compression's bytes a value: ``python -m bench.compression``), or every MAX_PARAMETER_ROUND_EVERY rounds, the
-# longest a missed round stays unrepaired (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md). A peer left apart
-# and a newcomer ask for one sooner (collab/repairs.py).
+# missed a round (whole pseudo-gradient rounds leave peers alike: collab/shared_average.py), so they come as rarely as
+# keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes (each compression's bytes a value: ``python -m
+# bench.compression``), or every MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays unrepaired
+# (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md, 2026-12-01-intel-xeon-2core-shared-average.md). A peer left
+# apart and a newcomer ask for one sooner (collab/repairs.py).
 PARAMETER_ROUND_VALUES = 2  # per parameter: its anchor and its outer momentum
 PARAMETER_ROUND_BYTES_PER_PARAMETER = 2.0 * PARAMETER_ROUND_VALUES
 PSEUDO_GRADIENT_BYTES_PER_VALUE = {"fp16": 2.0, "8bit": 1.0, "topk": 0.079}
-PARAMETER_TRAFFIC_SHARE = 0.25
+PARAMETER_TRAFFIC_SHARE = 0.125
 MAX_PARAMETER_ROUND_EVERY = 32
 MAX_REFRESH_PERIOD = 10.0  # seconds: the synchronous mode's longest wait between progress reads
 

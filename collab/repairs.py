@@ -1,7 +1,7 @@
 """Parameter rounds on demand: a newcomer catching up asks the swarm for a parameter round instead of waiting for the
 next regular one.
 
-In the low-communication mode parameter rounds come every 8 to 32 outer rounds (``lowcomm.parameter_round_every``),
+In the low-communication mode parameter rounds come every 16 to 32 outer rounds (``lowcomm.parameter_round_every``),
 and a newcomer whose downloaded state arrived rounds old keeps its parameters out of the swarm until one has given it
 the swarm's anchor (``BoundedLoadOptimizer._begin_catching_up``; meanwhile its pseudo-gradients count only weighted
 down, and not at all from a state over ``MAX_CONTRIBUTING_LAG`` rounds old): with rounds of minutes waiting for a

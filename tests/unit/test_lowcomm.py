@@ -413,10 +413,10 @@ def test_progress_is_read_at_most_local_steps_times_less_often_far_from_an_outer
 
 def test_parameter_rounds_come_every_second_epoch_in_sync_mode_and_rarely_between_pseudo_gradient_rounds():
     assert parameter_round_every(None, 0, "8bit") == 2
-    # 4 bytes a parameter (anchor and momentum in fp16) at most a quarter of the pseudo-gradients' bytes per round
-    assert parameter_round_every(None, 10, "fp16") == 8  # 4 / (0.25 x 2)
-    assert parameter_round_every(None, 10, "8bit") == 16  # 4 / (0.25 x 1)
-    assert parameter_round_every(None, 50, "topk") == 32  # 4 / (0.25 x 0.079) = 203, capped
+    # 4 bytes a parameter (anchor and momentum in fp16) at most an eighth of the pseudo-gradients' bytes per round
+    assert parameter_round_every(None, 10, "fp16") == 16  # 4 / (0.125 x 2)
+    assert parameter_round_every(None, 10, "8bit") == 32  # 4 / (0.125 x 1)
+    assert parameter_round_every(None, 50, "topk") == 32  # 4 / (0.125 x 0.079) = 405, capped
     assert parameter_round_every(3, 50, "topk") == 3  # the flag wins
     assert parameter_round_every(1, 0, "fp16") == 1
 
