@@ -1,7 +1,9 @@
 """The low-communication mode's pure parts and one real peer alone in its swarm (collab/lowcomm.py)."""
 
 import concurrent.futures
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import hivemind
 import pytest
@@ -272,39 +274,20 @@ def test_a_parameter_round_makes_anchors_and_outer_momentum_whole_after_a_missed
     left apart would push the anchors apart again at every later outer step. The second peer loaded the first's state
     before, as a newcomer does: hivemind averages the momentum buffers it was built with, which a load must keep."""
     optimizer_args = OptimizerArguments(target_batch_size=8, local_steps=3, matchmaking_time=1.0)
-    training_args = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1)
-    with two_dhts() as dhts:
-        optimizers = []
-        try:
-            for dht in dhts:
-                torch.manual_seed(0)  # the same start on both
-                optimizers.append(
-                    build_optimizer(
-                        AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
-                        dht,
-                        PeerArguments(experiment_prefix="lowcomm_repair"),
-                        optimizer_args,
-                        AveragerArguments(target_group_size=2),
-                        ProgressTrackerArguments(),
-                        training_args,
-                    )
-                )
-            veteran, newcomer = (optimizer.state_averager.optimizer for optimizer in optimizers)
-            load_optimizer_state(newcomer, *dump_optimizer_state(veteran))
-            start = [anchor.detach().clone() for anchor in outer_parameters(optimizers[0])]
-            for optimizer, own_pseudo_gradient in zip(optimizers, (1.0, 3.0), strict=True):
-                for anchor in outer_parameters(optimizer):
-                    anchor.grad = torch.full_like(anchor, own_pseudo_gradient)
-                optimizer.state_averager.optimizer.step()  # momentum = its own, anchor -= 0.7 x 1.9 x its own
-            average_parameters_once([optimizer.state_averager for optimizer in optimizers])
-            for optimizer in optimizers:
-                outer = optimizer.state_averager.optimizer
-                for first, anchor in zip(start, outer_parameters(optimizer), strict=True):
-                    assert torch.equal(outer.state[anchor]["momentum_buffer"], torch.full_like(anchor, 2.0))
-                    assert torch.allclose(anchor, first - 0.7 * 1.9 * 2.0, atol=1e-2)
-        finally:
-            for optimizer in optimizers:
-                optimizer.shutdown()
+    with two_dhts() as dhts, optimizers_on(dhts, "lowcomm_repair", optimizer_args) as optimizers:
+        veteran, newcomer = (optimizer.state_averager.optimizer for optimizer in optimizers)
+        load_optimizer_state(newcomer, *dump_optimizer_state(veteran))
+        start = [anchor.detach().clone() for anchor in outer_parameters(optimizers[0])]
+        for optimizer, own_pseudo_gradient in zip(optimizers, (1.0, 3.0), strict=True):
+            for anchor in outer_parameters(optimizer):
+                anchor.grad = torch.full_like(anchor, own_pseudo_gradient)
+            optimizer.state_averager.optimizer.step()  # momentum = its own, anchor -= 0.7 x 1.9 x its own
+        average_parameters_once([optimizer.state_averager for optimizer in optimizers])
+        for optimizer in optimizers:
+            outer = optimizer.state_averager.optimizer
+            for first, anchor in zip(start, outer_parameters(optimizer), strict=True):
+                assert torch.equal(outer.state[anchor]["momentum_buffer"], torch.full_like(anchor, 2.0))
+                assert torch.allclose(anchor, first - 0.7 * 1.9 * 2.0, atol=1e-2)
 
 
 def test_peers_end_a_pseudo_gradient_round_on_the_8bit_wire_with_the_same_average():
@@ -319,43 +302,50 @@ def test_peers_end_a_pseudo_gradient_round_on_the_8bit_wire_with_the_same_averag
         # a groupmate's part late on a busy machine is waited for, not kept local (the property is about whole rounds)
         next_chunk_timeout=10.0,
     )
-    with two_dhts() as dhts:
-        optimizers = []
-        try:
-            for dht in dhts:
-                optimizers.append(
-                    build_optimizer(
-                        AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
-                        dht,
-                        PeerArguments(experiment_prefix="lowcomm_shared"),
-                        optimizer_args,
-                        AveragerArguments(target_group_size=2),
-                        ProgressTrackerArguments(),
-                        TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1),
-                    )
+    with two_dhts() as dhts, optimizers_on(dhts, "lowcomm_shared", optimizer_args) as optimizers:
+        generator = torch.Generator().manual_seed(11)
+        own = []
+        for optimizer in optimizers:  # each peer's contribution, as its round's capture leaves it
+            contributions = optimizer.grad_averager._local_accumulators
+            for tensor in contributions:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+            own.append([tensor.clone() for tensor in contributions])
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            rounds = [pool.submit(opt.grad_averager.step, weight=1.0, timeout=30) for opt in optimizers]
+            assert all(len(done.result(timeout=60)) == 2 for done in rounds), "the peers did not average together"
+        results = []
+        for optimizer in optimizers:
+            assert optimizer.grad_averager.kept_local_last_round.value == 0, "a reducer's parts came too late"
+            with optimizer.grad_averager.get_tensors() as tensors:
+                results.append([tensor.clone() for tensor in tensors])
+        for first, second, mine, theirs in zip(*results, *own, strict=True):
+            mean = (mine + theirs) / 2
+            assert (first - mean).norm() <= 0.01 * mean.norm()  # the 8-bit wire's error on the average
+            assert (second - first).abs().max() <= 4 * torch.finfo(torch.float32).eps * mine.abs().max()
+
+
+@contextlib.contextmanager
+def optimizers_on(dhts, prefix: str, optimizer_args: OptimizerArguments) -> Iterator[list[LowCommOptimizer]]:
+    """A low-communication optimizer of the same tiny model (the same start) on each of ``dhts``, shut down after."""
+    optimizers = []
+    try:
+        for dht in dhts:
+            torch.manual_seed(0)
+            optimizers.append(
+                build_optimizer(
+                    AutoModelForMaskedLM.from_config(tiny_bert_config(100)),
+                    dht,
+                    PeerArguments(experiment_prefix=prefix),
+                    optimizer_args,
+                    AveragerArguments(target_group_size=2),
+                    ProgressTrackerArguments(),
+                    TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1),
                 )
-            generator = torch.Generator().manual_seed(11)
-            own = []
-            for optimizer in optimizers:  # each peer's contribution, as its round's capture leaves it
-                contributions = optimizer.grad_averager._local_accumulators
-                for tensor in contributions:
-                    tensor.copy_(torch.randn(tensor.shape, generator=generator))
-                own.append([tensor.clone() for tensor in contributions])
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                rounds = [pool.submit(opt.grad_averager.step, weight=1.0, timeout=30) for opt in optimizers]
-                assert all(len(done.result(timeout=60)) == 2 for done in rounds), "the peers did not average together"
-            results = []
-            for optimizer in optimizers:
-                assert optimizer.grad_averager.kept_local_last_round.value == 0, "a reducer's parts came too late"
-                with optimizer.grad_averager.get_tensors() as tensors:
-                    results.append([tensor.clone() for tensor in tensors])
-            for first, second, mine, theirs in zip(*results, *own, strict=True):
-                mean = (mine + theirs) / 2
-                assert (first - mean).norm() <= 0.01 * mean.norm()  # the 8-bit wire's error on the average
-                assert (second - first).abs().max() <= 4 * torch.finfo(torch.float32).eps * mine.abs().max()
-        finally:
-            for optimizer in optimizers:
-                optimizer.shutdown()
+            )
+        yield optimizers
+    finally:
+        for optimizer in optimizers:
+            optimizer.shutdown()
 
 
 def test_a_peer_that_stepped_alone_asks_for_a_repair_at_its_first_round_with_others():
