@@ -57,7 +57,7 @@ SYNC_PARAMETER_ROUND_EVERY = 2
 # missed a round (whole pseudo-gradient rounds leave peers alike: collab/shared_average.py), so they come as rarely as
 # keeps them at PARAMETER_TRAFFIC_SHARE of the pseudo-gradients' bytes (each compression's bytes a value: ``python -m
 # bench.compression``), or every MAX_PARAMETER_ROUND_EVERY rounds, the longest a missed round stays unrepaired
-# (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md, 2026-11-30-intel-xeon-2core-shared-average.md). A peer left
+# (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-full.md, 2026-11-30-amd-epyc-2core-shared-average.md). A peer left
 # apart and a newcomer ask for one sooner (collab/repairs.py).
 PARAMETER_ROUND_VALUES = 2  # per parameter: its anchor and its outer momentum
 PARAMETER_ROUND_BYTES_PER_PARAMETER = 2.0 * PARAMETER_ROUND_VALUES

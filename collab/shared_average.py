@@ -11,7 +11,7 @@ average instead of the difference) and keeps for its own part what its groupmate
 part, ``SharedAverageStub``). After a whole round every peer holds the same values, to the fp32 rounding of that
 subtraction. The error from the exact average is then the wire's error on the average, the same at every peer, where
 it was each peer's own error on its difference: about as large (8-bit wire, three peers' pseudo-gradients half in
-common: 0.81 % of the average's norm against 0.70 %; docs/benchmarks/2026-11-30-intel-xeon-2core-shared-average.md).
+common: 0.81 % of the average's norm against 0.70 %; docs/benchmarks/2026-11-30-amd-epyc-2core-shared-average.md).
 
 For rounds of fresh quantities only (pseudo-gradients). A parameter round keeps hivemind's differences: an absolute
 fp16 reply would round the parameters themselves to fp16 at every round.
