@@ -185,6 +185,29 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
                 end = self._reducer_span_end(self.ordered_peer_ids.index(peer_id))
                 self._kept_local_spans.append((end - failed, end))
 
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's parts for the groupmate at ``peer_index``, ending the stream at once if one cannot be encoded.
+
+        hivemind's stream writer keeps an encoding error to itself: the reducer waited for this peer's parts until
+        its sender timeout, and this peer for the replies until its reducer timeout. Here the stream ends short (its
+        first message an error if no part went), so the reducer drops this sender and answers what came, and this
+        peer keeps its own values for the rest of that reducer's span (hivemind's handling of a failed reducer)."""
+        sent_any = False
+        try:
+            async for message in super()._generate_input_for_peer(peer_index):
+                sent_any = True
+                yield message
+        except Exception as error:
+            logger.warning(
+                "%s round: could not encode a part for %s (%r); this peer keeps its own values for the rest of "
+                "that groupmate's span",
+                self.round_kind.capitalize(),
+                self.ordered_peer_ids[peer_index],
+                error,
+            )
+            if not sent_any:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR, group_id=self.group_id)
+
     def _reducer_span_end(self, peer_index: int) -> int:
         """Where the flat span of values that the groupmate at ``peer_index`` reduces ends: each reducer's parts are
         one contiguous span, in the group's order (hivemind's TensorPartContainer)."""

@@ -21,7 +21,8 @@ Each fix, the rule it keeps (what hivemind does instead, what that cost, and the
 - 8-bit parts are read with numpy 2;
 - rounds meet only rounds of their own epoch, and a round whose group formed without this peer is given up;
 - the tracker's thread ends with no task pending;
-- an averager shut down mid-round cancels the round instead of dying of an AttributeError.
+- an averager shut down mid-round cancels the round instead of dying of an AttributeError;
+- the averager's process rebuilds torch's thread pool before its threads encode parts (``rebuild_torch_thread_pool``).
 """
 
 from __future__ import annotations
@@ -466,6 +467,17 @@ def exit_when_parent_dies(parent_pid: int, before_exit=lambda: None) -> threadin
     return thread
 
 
+def rebuild_torch_thread_pool() -> None:
+    """In a process just forked, before it starts threads: rebuild torch's thread pool, in this thread alone.
+
+    At fork torch marks its thread pool as corrupt and rebuilds it in the next call that asks for it. Once the thread
+    count was set (``torch.set_num_threads``, in this process or the one that forked it), each new thread's first
+    parallel op asks, and a thread that asks while another rebuilds gets none: "pool INTERNAL ASSERT FAILED ...
+    Invalid thread pool!". In an averager that thread was encoding a part; hivemind's stream writer kept the error to
+    itself and the part's reducer waited for it until its timeouts, leaving that span of the round unaveraged."""
+    torch.set_num_threads(torch.get_num_threads())
+
+
 def _stop_p2p_daemon(dht) -> None:
     node = getattr(dht, "_node", None)
     if node is not None:
@@ -567,6 +579,7 @@ class FixedDecentralizedAverager(hivemind.averaging.averager.DecentralizedAverag
     def run(self) -> None:
         """The averager's own process: in a process group of its own, keeps its tasks, matches rounds of one epoch
         only (hivemind's module, in this process only) and ends with the process that started it."""
+        rebuild_torch_thread_pool()  # first: hivemind starts the threads that encode parts
         signals.leave_the_process_group()  # the peer stops it after its last round
         exit_when_parent_dies(self._parent_pid)
         hivemind.averaging.averager.switch_to_uvloop = switch_to_uvloop_keeping_tasks
@@ -579,6 +592,7 @@ class FixedDHT(hivemind.DHT):
     p2pd the signals meant for its peer, and ends, p2pd first, with the process that started it."""
 
     def run(self) -> None:
+        rebuild_torch_thread_pool()  # first: hivemind starts the threads that encode parts
         signals.leave_the_process_group()  # the peer stops it after its last round
         exit_when_parent_dies(self._parent_pid, lambda: _stop_p2p_daemon(self))
         hivemind.dht.dht.switch_to_uvloop = switch_to_uvloop_keeping_tasks

@@ -6,6 +6,7 @@ import contextlib
 import io
 import itertools
 import math
+import time
 from collections.abc import Iterator
 
 import hivemind
@@ -24,6 +25,7 @@ from collab.compression import (
     DENSE_BELOW_VALUES,
     MAX_PART_VALUES,
     TOP_K_SAMPLE,
+    EightBitWire,
     SparseFloat16Wire,
     Uniform8BitWire,
     WireAveragerMixin,
@@ -372,9 +374,10 @@ def average_in_one_round(
     weights: list[float],
     client_modes: list[bool] | None = None,
     averager_classes: list[type] | None = None,
+    wires: list | None = None,
 ):
-    """One all-reduce among ``WireAverager``s (or ``averager_classes``) on ``make_codec(kind).wire``, one per DHT (in
-    client mode where ``client_modes`` says so); each peer's tensors after it."""
+    """One all-reduce among ``WireAverager``s (or ``averager_classes``) on ``make_codec(kind).wire`` (or each peer's
+    of ``wires``), one per DHT (in client mode where ``client_modes`` says so); each peer's tensors after it."""
     options = dict(
         prefix=f"wire_{kind}_{next(ROUND_NUMBERS)}",  # each round its own keys: none left by an earlier round's peers
         target_group_size=len(dhts),
@@ -391,11 +394,14 @@ def average_in_one_round(
     averagers = []
     try:
         classes = averager_classes or [WireAverager] * len(dhts)
-        for dht, tensors, client_mode, averager_class in zip(
-            dhts, contributions, client_modes or [False] * len(dhts), classes, strict=True
+        for dht, tensors, client_mode, averager_class, wire in zip(
+            dhts, contributions, client_modes or [False] * len(dhts), classes, wires or [None] * len(dhts), strict=True
         ):
             averager = averager_class(
-                [tensor.clone() for tensor in tensors], dht=dht, client_mode=client_mode, **options
+                [tensor.clone() for tensor in tensors],
+                dht=dht,
+                client_mode=client_mode,
+                **{**options, **({} if wire is None else {"compression": wire})},
             )
             averagers.append(averager)
         when = get_dht_time() + 1.0
@@ -534,6 +540,35 @@ def test_a_peer_that_accepts_no_connections_still_averages_with_the_others(three
     client = min(rounds, key=lambda r: r["bytes_received"])
     assert client["bytes_received"] <= 1.05 * client["bytes_sent"]
     assert all(r["bytes_received"] > 1.3 * client["bytes_received"] for r in rounds if r is not client)
+
+
+class WireThatCannotEncode(EightBitWire):
+    """The 8-bit wire of a peer whose every part fails to encode (as a thread of torch's did after a fork: collab.
+    hivemind_fixes.rebuild_torch_thread_pool)."""
+
+    def compress(self, tensor, info, allow_inplace=False):
+        raise RuntimeError("this part cannot be encoded")
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_whose_parts_cannot_be_encoded_does_not_hold_the_round_for_its_timeouts(three_dhts):
+    """Its reducers drop it at once and average the others; it keeps its own values except its own span (averaged
+    here with its own parts, which need no encoding). hivemind's stream writer kept the error to itself, and both
+    sides waited for their timeouts: the reducers 10 s (next_chunk_timeout), this peer 20 s."""
+    generator = torch.Generator().manual_seed(12)
+    contributions = [[torch.randn(2 * TOP_K_VALUES, generator=generator), torch.randn(1000)] for _ in range(3)]
+    wires = [None, None, WireThatCannotEncode()]
+    started = time.monotonic()
+    results = average_in_one_round(three_dhts, "8bit", contributions, [1.0, 1.0, 1.0], wires=wires)
+    assert time.monotonic() - started < 8.0, "the round waited for a timeout"
+
+    def changed_fraction(peer: int) -> float:
+        pairs = zip(results[peer], contributions[peer], strict=True)
+        changed = sum(int((after != before).sum()) for after, before in pairs)
+        return changed / sum(tensor.numel() for tensor in contributions[peer])
+
+    assert 0.1 < changed_fraction(2) < 0.6  # its own span only
+    assert changed_fraction(0) > 0.99 and changed_fraction(1) > 0.99
 
 
 def test_every_codec_kind_is_built():
