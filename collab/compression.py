@@ -222,7 +222,8 @@ def as_raw_part(message: averaging_pb2.AveragingData) -> averaging_pb2.Averaging
         try:
             tensor = extract_wire_tensor(message.tensor_part)
         except (ValueError, TypeError, RuntimeError, IndexError) as error:
-            logger.debug("Undecodable wire part left to hivemind: %s", error)
+            # at most one a part: a groupmate's malformed part, or a bug of ours, is worth a line in every log
+            logger.warning("A groupmate's part could not be decoded (%r); hivemind's own decoding refuses it", error)
             return message
         raw = NoCompression().compress(tensor, CompressionInfo.from_tensor(tensor))
         message.tensor_part.CopyFrom(raw)

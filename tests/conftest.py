@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import email.parser
 import email.policy
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "sample"
+
+
+def _project_warnings_to_stderr() -> None:
+    """In a process forked from the tests (hivemind's averagers): the project's warnings on stderr, which pytest shows
+    with a failed test. The handler the child inherits is pytest's in-memory capture, lost with the child."""
+    project = logging.getLogger("collab")
+    if any(handler.get_name() == "forked-child-stderr" for handler in project.handlers):
+        return  # a child's child keeps the one it inherited
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name("forked-child-stderr")
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s] [%(name)s] %(message)s"))
+    project.addHandler(handler)
+
+
+os.register_at_fork(after_in_child=_project_warnings_to_stderr)
 
 
 @pytest.fixture(scope="session")
