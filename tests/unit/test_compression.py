@@ -551,7 +551,7 @@ class WireThatCannotEncode(EightBitWire):
 
 
 @pytest.mark.timeout(60)
-def test_a_peer_whose_parts_cannot_be_encoded_does_not_hold_the_round_for_its_timeouts(three_dhts):
+def test_a_peer_whose_parts_cannot_be_encoded_does_not_hold_the_round_for_its_timeouts(three_dhts, capfd):
     """Its reducers drop it at once and average the others; it keeps its own values except its own span (averaged
     here with its own parts, which need no encoding). hivemind's stream writer kept the error to itself, and both
     sides waited for their timeouts: the reducers 10 s (next_chunk_timeout), this peer 20 s."""
@@ -569,6 +569,8 @@ def test_a_peer_whose_parts_cannot_be_encoded_does_not_hold_the_round_for_its_ti
 
     assert 0.1 < changed_fraction(2) < 0.6  # its own span only
     assert changed_fraction(0) > 0.99 and changed_fraction(1) > 0.99
+    # one line for each groupmate it could send nothing, in the failing peer's log (its averager's stderr)
+    assert capfd.readouterr().err.count("could not encode a part for") == 2
 
 
 def test_every_codec_kind_is_built():
