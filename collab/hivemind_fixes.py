@@ -592,7 +592,6 @@ class FixedDHT(hivemind.DHT):
     p2pd the signals meant for its peer, and ends, p2pd first, with the process that started it."""
 
     def run(self) -> None:
-        rebuild_torch_thread_pool()  # first: hivemind starts the threads that encode parts
         signals.leave_the_process_group()  # the peer stops it after its last round
         exit_when_parent_dies(self._parent_pid, lambda: _stop_p2p_daemon(self))
         hivemind.dht.dht.switch_to_uvloop = switch_to_uvloop_keeping_tasks

@@ -401,7 +401,7 @@ def average_in_one_round(
                 [tensor.clone() for tensor in tensors],
                 dht=dht,
                 client_mode=client_mode,
-                **{**options, **({} if wire is None else {"compression": wire})},
+                **{**options, "compression": wire or options["compression"]},
             )
             averagers.append(averager)
         when = get_dht_time() + 1.0
