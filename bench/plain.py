@@ -58,14 +58,14 @@ def backward(model, batch, max_grad_norm: float, scaler: torch.amp.GradScaler | 
     return len(batch["input_ids"])
 
 
-def throughput(seconds: float, seed: int, device: str = "cpu", fp16: bool = False) -> dict:
-    """Samples/s of micro-batch training with a Lamb step after each, after a short warm-up."""
+def throughput(seconds: float, seed: int, device: str = "cpu", fp16: bool = False, warm_up_steps: int = 3) -> dict:
+    """Samples/s of micro-batch training with a Lamb step after each, after ``warm_up_steps`` steps not timed."""
     model, _, _, optimizer, batches, args = setup(seed, device)
     model.train()
     scaler = torch.amp.GradScaler(torch.device(device).type) if fp16 else None
     samples, start = 0, None
     for step in range(10**9):
-        if step == 3:
+        if step == warm_up_steps:
             synchronize(device)
             samples, start = 0, time.monotonic()
         batch = {name: tensor.to(device, non_blocking=True) for name, tensor in next(batches).items()}

@@ -60,6 +60,7 @@ def pair(rejoin: bool):
         yield first, second
 
 
+@pytest.mark.upstream
 def test_plain_hivemind_nodes_that_lost_each_other_stay_apart():
     with pair(rejoin=False) as (first, second):
         deadline = time.monotonic() + 6 * PERIOD

@@ -69,6 +69,7 @@ def run_task_waiting_on_weakly_held_future(make_loop) -> tuple[bool, str | None]
     return registry["answer"]() is not None or bool(results), results[0] if results else None
 
 
+@pytest.mark.upstream
 def test_plain_hivemind_loop_loses_the_task():
     survived, answer = run_task_waiting_on_weakly_held_future(_original_switch_to_uvloop)
     assert (survived, answer) == (False, None)
@@ -108,6 +109,7 @@ def tasks_destroyed_pending(run) -> list[str]:
     return [message for message in logged if "Task was destroyed but it is pending" in message]
 
 
+@pytest.mark.upstream
 def test_plain_hivemind_loop_ends_with_a_task_pending():
     assert tasks_destroyed_pending(lambda loop, main: loop.run_until_complete(main))
 
@@ -209,6 +211,7 @@ def average_with_a_late_groupmate_once(averager_class) -> tuple[torch.Tensor, to
         dht1.shutdown()
 
 
+@pytest.mark.upstream
 @pytest.mark.timeout(180)
 def test_plain_hivemind_leaves_half_of_the_tensor_unaveraged_when_a_groupmate_is_late():
     first, second = average_with_a_late_groupmate(DecentralizedAverager)
@@ -265,6 +268,7 @@ def spaced_bound(seconds: float) -> float:
     return 2 * (seconds / (MATCHMAKING_SECONDS / hivemind_fixes.LEADER_LOOKUPS_PER_MATCHMAKING) + 1)
 
 
+@pytest.mark.upstream
 @pytest.mark.timeout(180)
 def test_plain_hivemind_looks_up_leaders_back_to_back_while_matchmaking():
     lookups, seconds = leader_lookups_in_one_round(hivemind_fixes._original_update_queue_periodically)
@@ -321,6 +325,7 @@ def progress_publications(patched: bool) -> tuple[int, float | None, float]:
         dht.shutdown()
 
 
+@pytest.mark.upstream
 @pytest.mark.timeout(120)
 def test_plain_hivemind_publishes_progress_after_every_step():
     during_steps, new_epoch_seen, _ = progress_publications(patched=False)
@@ -396,6 +401,7 @@ def children_of_a_killed_peer(variant: str) -> list[int]:
     return children
 
 
+@pytest.mark.upstream
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
 def test_plain_hivemind_leaves_orphans_when_the_peer_is_killed():
@@ -443,6 +449,7 @@ def helpers_after_a_signal_to_the_group(variant: str, signum: int) -> tuple[list
         peer.wait(timeout=30)
 
 
+@pytest.mark.upstream
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(120)
 def test_plain_hivemind_helpers_die_of_a_sigterm_meant_for_their_peer():
@@ -505,6 +512,7 @@ def download_declarations(patched: bool) -> tuple[int, float | None]:
         return during_round, priority
 
 
+@pytest.mark.upstream
 @pytest.mark.timeout(120)
 def test_plain_hivemind_redeclares_its_state_after_every_averaged_part():
     during_round, _ = download_declarations(patched=False)
@@ -636,8 +644,10 @@ class AwaitedFuture(asyncio.Future):
 
 @pytest.mark.parametrize(
     ("averager_class", "group_cancelled"),
-    [(DecentralizedAverager, True), (FixedDecentralizedAverager, False)],
-    ids=["plain-hivemind", "fixed"],
+    [
+        pytest.param(DecentralizedAverager, True, id="plain-hivemind", marks=pytest.mark.upstream),
+        pytest.param(FixedDecentralizedAverager, False, id="fixed"),
+    ],
 )
 def test_a_sender_that_gives_up_waiting_for_the_runner_leaves_this_peers_round_whole(averager_class, group_cancelled):
     """A groupmate's part can come before this peer's round has its runner. When that sender gives up (its request is
@@ -717,6 +727,7 @@ def shut_down_in_its_all_reduce(kind: str) -> str:
     raise RoundsNotMatched(f"no try of {MATCHING_TRIES} matched the two rounds")
 
 
+@pytest.mark.upstream
 @pytest.mark.timeout(400)
 def test_plain_hivemind_fails_to_shut_down_an_averager_in_its_all_reduce():
     assert HIVEMIND_SHUTDOWN_ERROR in shut_down_in_its_all_reduce("plain")

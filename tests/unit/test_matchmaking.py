@@ -168,6 +168,7 @@ def test_rounds_of_different_epochs_do_not_average_and_rounds_of_one_epoch_do():
         assert [values(averager) for averager in pair] == [1.0, 1.0]
 
 
+@pytest.mark.upstream
 @pytest.mark.timeout(120)
 def test_plain_hivemind_averages_rounds_of_different_epochs_together():
     with averager_pair([DecentralizedAverager] * 2, "plain_epochs") as pair:
@@ -263,8 +264,10 @@ SLOW_DECLARATION = 1.0
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
     ("averager_class", "round_timeout", "group_sizes"),
-    [(DecentralizedAverager, 8.0, [None, None]), (FixedDecentralizedAverager, 80.0, [2, 2])],
-    ids=["plain-hivemind", "fixed"],
+    [
+        pytest.param(DecentralizedAverager, 8.0, [None, None], id="plain-hivemind", marks=pytest.mark.upstream),
+        pytest.param(FixedDecentralizedAverager, 80.0, [2, 2], id="fixed"),
+    ],
 )
 def test_on_a_dht_slower_than_matchmaking_time_only_a_stretched_window_forms_a_group(
     averager_class, round_timeout, group_sizes
@@ -309,7 +312,11 @@ def all_reduce_starts(controls: list[StepControl], timeout: float) -> list[float
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "averager_class", [DecentralizedAverager, FixedDecentralizedAverager], ids=["plain-hivemind", "fixed"]
+    "averager_class",
+    [
+        pytest.param(DecentralizedAverager, id="plain-hivemind", marks=pytest.mark.upstream),
+        pytest.param(FixedDecentralizedAverager, id="fixed"),
+    ],
 )
 def test_a_groupmate_slow_to_withdraw_its_declaration_starts_its_all_reduce_with_the_other(averager_class):
     """hivemind withdraws a round's declaration from the DHT once its group is assembled and waits for that store

@@ -125,6 +125,7 @@ def test_8bit_gradients_take_one_byte_a_value_for_large_tensors_only():
     assert wire_bytes_and_error("8bit", small)[0] == wire_bytes_and_error("fp16", small)[0]
 
 
+@pytest.mark.upstream
 def test_plain_hivemind_initialization_shrinks_the_decayed_weights():
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
     args = TrainingArguments()
