@@ -177,6 +177,17 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
     async def _communicate_with_peer(self, peer_id: PeerID):
         try:
             await super()._communicate_with_peer(peer_id)
+        except Exception as error:
+            # hivemind logs why at DEBUG only; its WARNING says how much came back, not from whom or why
+            if peer_id != self.peer_id:
+                logger.warning(
+                    "%s round: no averaged values from %s (%r); this peer keeps its own values for that groupmate's "
+                    "span",
+                    self.round_kind.capitalize(),
+                    peer_id,
+                    error,
+                )
+            raise
         finally:
             # hivemind registers a failed reducer's remaining parts, the tail of its span, just before it raises here
             failed = self.tensor_part_container.failed_size - self._failed_size_seen
