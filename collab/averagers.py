@@ -181,8 +181,8 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
             # hivemind logs why at DEBUG only; its WARNING says how much came back, not from whom or why
             if peer_id != self.peer_id:
                 logger.warning(
-                    "%s round: no averaged values from %s (%r); this peer keeps its own values for that groupmate's "
-                    "span",
+                    "%s round: no averaged values from %s for the rest of its span (%r); this peer keeps its own "
+                    "values there",
                     self.round_kind.capitalize(),
                     peer_id,
                     error,
