@@ -10,12 +10,14 @@ from collections.abc import Iterator, Sequence
 import hivemind
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import MSGPackSerializer
 
 from collab.hivemind_fixes import FixedDecentralizedAverager
+from trainer.local import wait_until
 
 
 @contextlib.contextmanager
@@ -77,6 +79,42 @@ def matched_averager(
         next_chunk_timeout=next_chunk_timeout,
         start=True,
     )
+
+
+def steps_matched_in_advance(
+    averagers: Sequence[DecentralizedAverager], tries: int = 3, patience: float = 12.0, **step_kwargs
+) -> list[StepControl]:
+    """One step of each averager, all in one group and waiting for their triggers (``require_trigger``). A try not
+    matched within ``patience`` seconds, or in which a step ended, is cancelled for all and made again: on a loaded
+    machine a follower whose leader answers after ``request_timeout`` leaves while the leader counts it, and then the
+    leader waits for its trigger in a group without it while the follower looks for a group until its step's deadline
+    (a pair matches in about ``min_matchmaking_time`` otherwise). What the tests time starts after the match, so a new
+    try changes none of their figures; after ``tries`` the last try's stages are raised."""
+    outcomes: list[str] = []
+    for _ in range(tries):
+        controls = [averager.step(require_trigger=True, wait=False, **step_kwargs) for averager in averagers]
+
+        def matched() -> bool:
+            return all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls)  # noqa: B023
+
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: matched() or any(c.done() for c in controls), patience, "a match", poll=0.1)  # noqa: B023
+        if matched():
+            return controls
+        outcomes = [step_outcome(control) for control in controls]
+        for control in controls:
+            control.cancel()
+        wait_until(lambda: all(c.done() for c in controls), patience, "the unmatched steps to end")  # noqa: B023
+    raise AssertionError(f"no group formed in advance in {tries} tries; the last: {outcomes}")
+
+
+def step_outcome(control: StepControl) -> str:
+    """A step's stage while it runs, else how it ended."""
+    if not control.done():
+        return control.stage.name
+    if control.cancelled():
+        return "cancelled"
+    return repr(control.exception()) if control.exception() else "returned"
 
 
 class SlowRecords(RecordValidatorBase):

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from hivemind.averaging.control import AveragingStage
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P
@@ -23,7 +22,7 @@ from collab.averagers import (
     keep_local_where_non_finite,
 )
 from tests.hivemind_patches import entry_point_patches_applied
-from tests.local_dht import two_dhts
+from tests.local_dht import steps_matched_in_advance, two_dhts
 from trainer.local import wait_until
 
 TENSOR_SIZES = (1000, 24)  # values; several parts per reducer with the small part size below
@@ -278,15 +277,7 @@ def test_a_groupmate_starting_later_than_the_part_timeout_is_averaged_with_once_
             for _ in range(4):
                 for averager, value in zip(pair, (0.0, 2.0), strict=True):
                     fill(averager, value)
-                controls = [
-                    averager.step(require_trigger=True, wait=False, timeout=30, allow_retries=False)
-                    for averager in pair
-                ]
-                wait_until(
-                    lambda: all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls),  # noqa: B023
-                    20,
-                    "a group matched in advance",
-                )
+                controls = steps_matched_in_advance(pair, timeout=30, allow_retries=False)
                 controls[0].allow_allreduce()
                 time.sleep(late)
                 controls[1].allow_allreduce()
@@ -315,14 +306,7 @@ def test_a_round_waits_as_long_as_the_groupmate_that_asks_most(tmp_path):
         try:
             for averager, value in zip(pair, (0.0, 2.0), strict=True):
                 fill(averager, value)
-            controls = [
-                averager.step(require_trigger=True, wait=False, timeout=30, allow_retries=False) for averager in pair
-            ]
-            wait_until(
-                lambda: all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls),
-                20,
-                "a group matched in advance",
-            )
+            controls = steps_matched_in_advance(pair, timeout=30, allow_retries=False)
             controls[0].allow_allreduce()
             time.sleep(late)
             controls[1].allow_allreduce()
