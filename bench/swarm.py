@@ -561,6 +561,15 @@ class RunDeadline(Exception):
     """The run's own deadline (``--max_minutes``) passed."""
 
 
+class SwarmNotFormed(Exception):
+    """A peer exited before every initial peer was training: nothing would be measured (a bad flag, missing data)."""
+
+
+def last_line(text: str) -> str:
+    """The last line of a log that says something, for a one-line report."""
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "(empty log)")
+
+
 def split_key(key: str) -> tuple[str, int]:
     """``"peer3"`` -> ``("peer", 3)``, ``"new5"`` -> ``("new", 5)``."""
     kind = "peer" if key.startswith("peer") else "new"
@@ -587,6 +596,7 @@ class Swarm:
         self.slots: dict[str, int] = {}  # newcomer -> its slot
         self.state_bytes: int | None = None  # the first downloaded state's size, for a newcomer's fair chance
         self.joining = False  # keep plan.joins_in_flight newcomers live
+        self.formed = False  # every initial peer trains: from now on an exit is churn, before it a failed start
         self.progress: Callable[[str], None] = lambda line: None
 
     def namespace(self, key: str) -> int:
@@ -705,6 +715,9 @@ class Swarm:
                 if record["event"] == "state_loaded" and self.state_bytes is None:
                     self.state_bytes = record["bytes"]
             if not process.running():
+                if not self.formed:
+                    said, code = last_line(process.log()), process.process.returncode
+                    raise SwarmNotFormed(f"{key} exited ({code}) before the swarm formed: {said} ({process.log_path})")
                 self.end(key, "exit")
                 self.counts["exits"] += 1
                 kind, number = split_key(key)
@@ -794,6 +807,7 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                     swarm.start(f"peer{rank}", "initial")
                 everyone = [f"peer{rank}" for rank in range(plan.peers)]
                 swarm.wait(lambda: all(swarm.has(key, "started") for key in everyone), 900, "every peer training")
+                swarm.formed = True
                 for rank in range(plan.peers):
                     net.set_peer_rate(1 + rank, *link_rate(rank))
                 first = max(swarm.epoch, 0) + WARMUP_EPOCHS  # -1: no global step yet
@@ -990,6 +1004,9 @@ def main(argv=None) -> int:
         print(f"not measured: {e}")
         print(json.dumps({"skipped": str(e)}))
         return 0
+    except SwarmNotFormed as e:
+        print(f"python -m bench.swarm: {e}", file=sys.stderr)
+        return 1
     args.history.parent.mkdir(parents=True, exist_ok=True)
     kept = ("join_tries", "join_productive", "goodput", "stalls", "peers", "joins_in_flight")
     record = {key: figures.get(key) for key in kept}

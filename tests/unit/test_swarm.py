@@ -36,6 +36,7 @@ from bench.swarm import (
     stall_count,
     summarize,
 )
+from trainer.local import LocalProcess
 
 
 def test_kills_due_are_30_percent_of_the_peers_per_hour_equivalent():
@@ -353,6 +354,23 @@ def test_a_wait_times_out_on_a_stalled_swarm_not_on_a_long_one(tmp_path, monkeyp
     with pytest.raises(TimeoutError, match="without a new global epoch"):
         waiting.wait(lambda: False, 0.05, "epoch 1000")
     assert time.monotonic() - started < 5
+
+
+def test_a_peer_that_exits_before_the_swarm_formed_stops_the_run_with_its_last_line(tmp_path, monkeypatch):
+    """A swarm whose first peer cannot start (a bad flag, no sample data) is not waited for: the run stops at once and
+    says which peer, its exit code and its log's last line. Once formed, an exit is churn and the peer restarts."""
+    monkeypatch.setattr(swarm, "POLL_S", 0.01)
+    waiting = swarm.Swarm(None, swarm.QUICK, tmp_path, "prefix", [], deadline=time.monotonic() + 60)
+    failing = LocalProcess([str(tmp_path / "absent.json")], tmp_path / "peer0.log", module="json.tool")
+    run = PeerRun("peer0.0", "initial", time.time(), 10.0)
+    waiting.live["peer0"] = (failing, run, EventTail(tmp_path / "peer0.events.jsonl"))
+    started = time.monotonic()
+    with pytest.raises(swarm.SwarmNotFormed, match=r"peer0 exited \(2\) before the swarm formed: .*absent\.json"):
+        waiting.wait(lambda: False, 300, "the first peer to start training")
+    assert time.monotonic() - started < 10
+    waiting.formed = True
+    waiting.tick()
+    assert "peer0" not in waiting.live and waiting.counts["exits"] == 1 and 0 in waiting.pending_restarts
 
 
 def test_join_phases_say_where_the_time_went():
