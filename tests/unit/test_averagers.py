@@ -329,7 +329,9 @@ def test_a_departing_peer_hears_from_the_groupmates_of_its_last_round_and_never_
             assert pair[0].wait_for_groupmates(5.0) == 0  # no round yet
             for averager, value in zip(pair, (0.0, 2.0), strict=True):
                 fill(averager, value)
-            controls = [averager.step(wait=False, timeout=30, allow_retries=False) for averager in pair]
+            controls = steps_matched_in_advance(pair, timeout=30, allow_retries=False)
+            for control in controls:
+                control.allow_allreduce()
             wait_until(lambda: all(control.done() for control in controls), 30, "both rounds to end")
             assert [averaged_completely(averager) for averager in pair] == [True, True]
             started = time.monotonic()
