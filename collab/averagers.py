@@ -463,6 +463,12 @@ class PartTimeout:
 MAX_CONTRIBUTING_LAG = 4
 
 
+def one_epoch_past_the_load(epoch_of_last_load: int | None, local_epoch: int, swarm_epoch: int) -> bool:
+    """Whether a peer still at the epoch its last load left it at sees the swarm one epoch past it: the case a load
+    settles by taking the swarm's epoch, not by loading again."""
+    return epoch_of_last_load is not None and local_epoch == epoch_of_last_load and swarm_epoch == local_epoch + 1
+
+
 def catching_up_weight(round_kind: str, weight: float, lag: int) -> float:
     """The weight of a peer ``lag`` epochs behind in a round whose own weight would be ``weight`` (its samples):
     ``weight / (1 + lag)`` in pseudo-gradient rounds up to ``MAX_CONTRIBUTING_LAG``, else 0. Gradients and
@@ -831,6 +837,10 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
     ``FiniteTrainingStateAverager`` and its gradient averager a ``FiniteGradientAverager``."""
 
     catching_up_since: float | None = None  # time.monotonic() when the catch-up began; None when a full member
+    epoch_of_last_load: int | None = None  # the epoch a load of the state left this peer at; None: no load applied
+    # A peer that finds the swarm one epoch past its load's state at the step's check trains on at the swarm's epoch
+    # (True) or loads again: parameters one step old are averaged back by the next parameter round, two epochs away.
+    enters_the_epoch_past_its_load = True
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's ``Optimizer.load_state_from_peers`` with one bounded load instead of its retry loop.
@@ -856,16 +866,23 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
             state_epoch, swarm_epoch = self.local_epoch, self._swarm_epoch_now()
             if loaded and swarm_epoch - state_epoch > 1:
                 self._begin_catching_up(state_epoch, swarm_epoch)
-            if swarm_epoch - state_epoch == 1 or (self.catching_up_since is not None and swarm_epoch > state_epoch):
-                logger.log(self.status_loglevel, f"Catching up with collaboration step {swarm_epoch}")
-                self.state_averager.local_epoch = swarm_epoch
-            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            one_behind = swarm_epoch - state_epoch == 1
+            takes_swarm_epoch = one_behind or (self.catching_up_since is not None and swarm_epoch > state_epoch)
+            self._enter_epoch(swarm_epoch if takes_swarm_epoch else self.local_epoch)
+            self.epoch_of_last_load = self.local_epoch if loaded else None
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Train on at ``epoch`` from the parameters this peer holds, with nothing accumulated: the end of a load."""
+        if epoch != self.local_epoch:
+            logger.log(self.status_loglevel, f"Catching up with collaboration step {epoch}")
+            self.state_averager.local_epoch = epoch
+        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.local_epoch
+        if self.use_gradient_averaging:
+            self.grad_averager.reset_accumulated_grads_()
             if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
-            if self.use_gradient_averaging:
-                self.grad_averager.reset_accumulated_grads_()
-                if not self.client_mode:
-                    self.grad_averager.state_sharing_priority = self.local_epoch
+                self.grad_averager.state_sharing_priority = self.local_epoch
 
     def _swarm_epoch_now(self) -> int:
         """The collaboration's epoch after a load: the tracker's stood still during it (its updates were paused), so
@@ -922,8 +939,26 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
 
     def _should_load_state_from_peers(self) -> bool:
         """hivemind's, except while catching up: then being epochs behind calls for no new download (it would end
-        behind again), the next epoch's step takes the swarm's epoch and a parameter round its parameters."""
-        return self.catching_up_since is None and super()._should_load_state_from_peers()
+        behind again), the next epoch's step takes the swarm's epoch and a parameter round its parameters.
+
+        And where the swarm is one epoch past the state a load left this peer at, the load's own rule holds
+        (``enters_the_epoch_past_its_load``): it takes the swarm's epoch and trains on. The load reads the swarm's
+        epoch from the DHT, which may not yet hold the record of the first peer past it (on loaded machines stores
+        took seconds); the step's check once an epoch then finds it behind, and hivemind downloads the whole state
+        again (docs/benchmarks/2026-12-01-amd-epyc-2core-pair-match-and-swarm-start.md)."""
+        if self.catching_up_since is not None:
+            return False
+        behind = super()._should_load_state_from_peers()
+        swarm_epoch = self.tracker.global_epoch
+        past_the_load = one_epoch_past_the_load(self.epoch_of_last_load, self.local_epoch, swarm_epoch)
+        if behind and past_the_load and self.enters_the_epoch_past_its_load:
+            if self.scheduled_grads is not None and not self.scheduled_grads.done():
+                self.scheduled_grads.cancel()  # a round of the state's epoch, which the swarm has averaged already
+            self.scheduled_grads = None
+            with self.tracker.pause_updates():
+                self._enter_epoch(swarm_epoch)
+            return False
+        return behind
 
     def is_synchronized_with_peers(self) -> bool:
         """hivemind's, and not while catching up: its epochs then contribute nothing to the swarm's."""

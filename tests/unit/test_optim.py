@@ -24,6 +24,7 @@ from arguments import (
 from collab import events
 from collab.callback import CollaborativeCallback
 from collab.events import read_events
+from collab.lowcomm import LowCommOptimizer
 from collab.optim import (
     EIGHT_BIT_MIN_VALUES,
     SameLayoutLamb,
@@ -313,6 +314,37 @@ def test_a_rollback_during_a_catch_up_restarts_its_count_of_values_replaced():
             assert catch_ups.value == 1
             callback.restore_backup()
             assert catch_ups.value == 2
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_epoch():
+    """A load that read the swarm's epoch before the first peer past it was in the DHT leaves the peer at the state's
+    epoch, and the step's check once an epoch then finds the swarm one epoch past it. The peer takes the swarm's
+    epoch, as the load does for a state one epoch old, instead of downloading the whole state again (hivemind's). A
+    peer that loaded nothing, one two epochs behind, and the low-communication mode load again."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "past_the_load")
+        try:
+            optimizer.tracker.shutdown()  # its reads of the DHT would overwrite the swarm's epoch set below
+
+            def loads_again(swarm_epoch: int, epoch_of_last_load: int | None) -> bool:
+                optimizer.tracker.global_progress.epoch = swarm_epoch
+                optimizer.tracker.fetched_global_progress_this_epoch.set()
+                optimizer._should_check_synchronization_on_update = True  # hivemind's check, due once an epoch
+                optimizer.epoch_of_last_load = epoch_of_last_load
+                return optimizer._should_load_state_from_peers()
+
+            assert loads_again(1, epoch_of_last_load=None) and optimizer.local_epoch == 0
+            assert loads_again(2, epoch_of_last_load=0) and optimizer.local_epoch == 0
+            assert not loads_again(1, epoch_of_last_load=0)
+            assert optimizer.local_epoch == 1 and optimizer.tracker.local_progress.epoch == 1
+            optimizer.enters_the_epoch_past_its_load = LowCommOptimizer.enters_the_epoch_past_its_load
+            assert loads_again(2, epoch_of_last_load=1) and optimizer.local_epoch == 1
         finally:
             optimizer.shutdown()
     finally:
