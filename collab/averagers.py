@@ -955,6 +955,7 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
             if self.scheduled_grads is not None and not self.scheduled_grads.done():
                 self.scheduled_grads.cancel()  # a round of the state's epoch, which the swarm has averaged already
             self.scheduled_grads = None
+            logger.log(self.status_loglevel, "The collaboration is one epoch past the state loaded: not loading again")
             with self.tracker.pause_updates():
                 self._enter_epoch(swarm_epoch)
             return False
