@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import ipaddress
+import itertools
 import logging
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -267,7 +268,9 @@ def start_dht(
         relay_kwargs["force_reachability"] = "public"
     dht_class = RelayedDHT if peer_args.use_auto_relay and peer_args.initial_peers else FixedDHT
     try:
-        dht = dht_class(
+        dht = dht_bootstrapped_within(
+            dht_class,
+            peer_args.bootstrap_timeout,
             start=True,
             initial_peers=peer_args.initial_peers,
             client_mode=client_mode,
@@ -281,8 +284,8 @@ def start_dht(
             **relay_kwargs,
         )
     except Exception as e:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if peer_args.initial_peers and "bootstrap" in message.lower():
+        message = first_line(e)
+        if peer_args.initial_peers and is_bootstrap_failure(message):
             refused = " or they refused this peer's access token" if authorizer is not None else ""
             raise DHTStartError(
                 f"--initial_peers: none of {', '.join(peer_args.initial_peers)} answered ({message}); "
@@ -300,6 +303,36 @@ def start_dht(
     line = reachability_line(reach, peer_args.use_relay, peer_args.experiment_prefix, peers_found, asks_for_relay)
     logger.info(line)
     return dht
+
+
+BOOTSTRAP_RETRY_S = (1.0, 2.0, 4.0)  # pauses between a daemon's bootstrap tries, the last repeated
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def is_bootstrap_failure(message: str) -> bool:
+    """Whether a DHT's start failed because p2pd reached none of its initial peers."""
+    return "bootstrap" in message.lower()
+
+
+def dht_bootstrapped_within(dht_class: type, timeout: float, **kwargs) -> hivemind.DHT:
+    """``dht_class(**kwargs)``, its start tried again while its p2pd reaches none of the initial peers, until
+    ``timeout`` seconds (``--bootstrap_timeout``) have passed. p2pd tries each initial peer once and exits: an initial
+    peer that starts a moment later, or whose machine stalls for a moment, ended a peer's start at once, whatever the
+    timeout said (seen once on 127.0.0.1 in a loaded test run). Other failures end it at once."""
+    deadline = time.monotonic() + timeout
+    for tries in itertools.count(1):
+        try:
+            return dht_class(**kwargs)
+        except Exception as e:
+            pause = BOOTSTRAP_RETRY_S[min(tries, len(BOOTSTRAP_RETRY_S)) - 1]
+            if not is_bootstrap_failure(first_line(e)) or time.monotonic() + pause > deadline:
+                raise
+            logger.warning("No initial peer answered (%s): trying again in %.0f s", first_line(e), pause)
+            time.sleep(pause)
 
 
 def relay_wait_over(relays: int, relays_asked: int, since_first_s: float, waited_s: float, timeout: float) -> bool:

@@ -5,6 +5,7 @@ the experiment's prefix. tests/integration/test_relay.py runs it behind a namesp
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from collab.dht import (
     StaticRelaysP2P,
     address_kind,
     count_peers_under_prefix,
+    dht_bootstrapped_within,
     joined_fields,
     listens_at_a_public_address,
     reachability,
@@ -34,7 +36,7 @@ from collab.dht import (
 from collab.errors import ConfigError
 from collab.hivemind_fixes import progress_key
 from tests.local_dht import two_dhts
-from trainer.local import wait_until
+from trainer.local import free_port, wait_until
 
 PEER = "/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 RELAY_A = "QmaDsctAS7MZgP9gbGEe9Yqb9JiHeivRcuVByEeBdij8gt"
@@ -229,7 +231,9 @@ def test_a_relayed_dht_starts_its_daemon_with_static_relays_in_its_own_process_o
     """A real p2pd under those flags (it exits on flags it cannot take together) joins the relay it was given."""
     with two_dhts() as (first, _):
         initial = [str(maddr) for maddr in first.get_visible_maddrs()]
-        dht = RelayedDHT(
+        dht = dht_bootstrapped_within(  # as start_dht builds it: a CI run's p2pd once reached no initial peer
+            RelayedDHT,
+            15.0,
             start=True,
             initial_peers=initial,
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -245,3 +249,30 @@ def test_a_relayed_dht_starts_its_daemon_with_static_relays_in_its_own_process_o
             assert dht.get("relayed_key", latest=True).value == 1
         finally:
             dht.shutdown()
+
+
+def test_a_peer_whose_initial_peer_starts_a_moment_later_joins_it_within_the_bootstrap_timeout(tmp_path, caplog):
+    """p2pd tries each initial peer once: an initial peer that is not up yet (restarting, or its machine stalled)
+    ended a peer's start at once whatever --bootstrap_timeout said. The start is tried again until that timeout."""
+    key, port = tmp_path / "first.key", free_port()
+    options = dict(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=str(key))
+    first = hivemind.DHT(**options)
+    initial = [str(maddr) for maddr in first.get_visible_maddrs()]
+    first.shutdown()  # down when the peer starts; back, same identity and port, 2 s later
+    restarted: list[hivemind.DHT] = []
+    later = threading.Timer(2.0, lambda: restarted.append(hivemind.DHT(**options)))
+    later.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="collab.dht"):
+            dht = start_dht(PeerArguments(experiment_prefix="bootstrap_retry", initial_peers=initial))
+        try:
+            assert any("No initial peer answered" in record.getMessage() for record in caplog.records)
+            later.join()
+            restarted[0].store("retried_key", 1, get_dht_time() + 60)
+            assert dht.get("retried_key", latest=True).value == 1
+        finally:
+            dht.shutdown()
+    finally:
+        later.join()
+        for node in restarted:
+            node.shutdown()
