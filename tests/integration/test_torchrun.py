@@ -28,7 +28,10 @@ SETTINGS = [
     *("--target_batch_size", "128", "--matchmaking_time", "1", "--averaging_timeout", "15"),
     *("--per_device_train_batch_size", str(BATCH)),
 ]
-SYNCED_EPOCHS = 3
+# A newcomer's parameters may start three epochs in a row unchanged: a step's update lands one step late (delayed
+# optimizer step), and a peer that finds the swarm one epoch past its load enters that epoch without a step. A fourth
+# epoch shows them moved.
+SYNCED_EPOCHS = 4
 SHUTDOWN_BOUND = 60  # seconds from SIGTERM to torchrun's exit: rank 0's clean shutdown (deadline 25 s), then the rest
 EXIT_BOUND = 60  # seconds from SIGKILL of a rank to the peer's exit: torchrun stops the others, gloo sees it gone
 TWO_RANKS = (*TORCHRUN, "--nproc_per_node", "2")
