@@ -463,6 +463,13 @@ class PartTimeout:
 MAX_CONTRIBUTING_LAG = 4
 
 
+def catches_up_after_a_load(state_epoch: int, swarm_epoch: int, from_one_epoch_behind: bool) -> bool:
+    """Whether a state of ``state_epoch`` downloaded while the swarm is at ``swarm_epoch`` leaves the peer catching up
+    (``BoundedLoadOptimizer._begin_catching_up``): two or more epochs behind, or one where the mode catches up
+    ``from_one_epoch_behind`` (``BoundedLoadOptimizer.catches_up_from_one_epoch_behind``)."""
+    return swarm_epoch - state_epoch > (0 if from_one_epoch_behind else 1)
+
+
 def one_epoch_past_the_load(epoch_of_last_load: int | None, local_epoch: int, swarm_epoch: int) -> bool:
     """Whether a peer still at the epoch its last load left it at sees the swarm one epoch past it: the case a load
     settles by taking the swarm's epoch, not by loading again."""
@@ -838,9 +845,11 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
 
     catching_up_since: float | None = None  # time.monotonic() when the catch-up began; None when a full member
     epoch_of_last_load: int | None = None  # the epoch a load of the state left this peer at; None: no load applied
-    # A peer that finds the swarm one epoch past its load's state at the step's check trains on at the swarm's epoch
-    # (True) or loads again: parameters one step old are averaged back by the next parameter round, two epochs away.
-    enters_the_epoch_past_its_load = True
+    # How a peer takes a state one epoch behind the swarm's, at its load or at the first check after it: at the
+    # swarm's epoch as a full member (False: one-step-old parameters, averaged back by the next parameter round two
+    # epochs away) or catching up (True: the low-communication mode, whose anchor one outer step old would otherwise
+    # wait up to 32 rounds for a parameter round; catching up asks for one). Never by downloading the state again.
+    catches_up_from_one_epoch_behind = False
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's ``Optimizer.load_state_from_peers`` with one bounded load instead of its retry loop.
@@ -864,7 +873,7 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
             except Exception as e:
                 logger.exception("Loading the state from peers failed (%r); keeping this peer's own", e)
             state_epoch, swarm_epoch = self.local_epoch, self._swarm_epoch_now()
-            if loaded and swarm_epoch - state_epoch > 1:
+            if loaded and catches_up_after_a_load(state_epoch, swarm_epoch, self.catches_up_from_one_epoch_behind):
                 self._begin_catching_up(state_epoch, swarm_epoch)
             one_behind = swarm_epoch - state_epoch == 1
             takes_swarm_epoch = one_behind or (self.catching_up_since is not None and swarm_epoch > state_epoch)
@@ -941,22 +950,24 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         """hivemind's, except while catching up: then being epochs behind calls for no new download (it would end
         behind again), the next epoch's step takes the swarm's epoch and a parameter round its parameters.
 
-        And where the swarm is one epoch past the state a load left this peer at, the load's own rule holds
-        (``enters_the_epoch_past_its_load``): it takes the swarm's epoch and trains on. The load reads the swarm's
-        epoch from the DHT, which may not yet hold the record of the first peer past it (on loaded machines stores
-        took seconds); the step's check once an epoch then finds it behind, and hivemind downloads the whole state
-        again (docs/benchmarks/2026-12-01-amd-epyc-2core-pair-match-and-swarm-start.md)."""
+        And where the swarm is one epoch past the state a load left this peer at, the load's own rule for a state
+        one epoch old holds (``catches_up_from_one_epoch_behind``): it takes the swarm's epoch and trains on, as a
+        full member or catching up. The load reads the swarm's epoch from the DHT, which may not yet hold the record
+        of the first peer past it (on loaded machines stores took seconds); the step's check once an epoch then finds
+        it behind, and hivemind downloads the whole state again
+        (docs/benchmarks/2026-12-01-amd-epyc-2core-pair-match-and-swarm-start.md)."""
         if self.catching_up_since is not None:
             return False
         behind = super()._should_load_state_from_peers()
         swarm_epoch = self.tracker.global_epoch
-        past_the_load = one_epoch_past_the_load(self.epoch_of_last_load, self.local_epoch, swarm_epoch)
-        if behind and past_the_load and self.enters_the_epoch_past_its_load:
+        if behind and one_epoch_past_the_load(self.epoch_of_last_load, self.local_epoch, swarm_epoch):
             if self.scheduled_grads is not None and not self.scheduled_grads.done():
                 self.scheduled_grads.cancel()  # a round of the state's epoch, which the swarm has averaged already
             self.scheduled_grads = None
             logger.log(self.status_loglevel, "The collaboration is one epoch past the state loaded: not loading again")
             with self.tracker.pause_updates():
+                if self.catches_up_from_one_epoch_behind:
+                    self._begin_catching_up(self.local_epoch, swarm_epoch)
                 self._enter_epoch(swarm_epoch)
             return False
         return behind

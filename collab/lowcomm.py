@@ -305,8 +305,8 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
     outer step multiplies a round's progress by up to 0.7 x 1.9 / 0.1 = 13 at steady momentum: use a lower inner
     ``learning_rate`` than the synchronous mode's, and lower ``outer_learning_rate`` if parameters grow each round."""
 
-    # an anchor one outer step old would wait for a parameter round up to 32 rounds away: a new load is cheaper
-    enters_the_epoch_past_its_load = False
+    # an anchor one outer step old would wait for a parameter round up to 32 rounds away: catching up asks for one
+    catches_up_from_one_epoch_behind = True
 
     def __init__(
         self,

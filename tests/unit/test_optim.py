@@ -323,8 +323,9 @@ def test_a_rollback_during_a_catch_up_restarts_its_count_of_values_replaced():
 def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_epoch():
     """A load that read the swarm's epoch before the first peer past it was in the DHT leaves the peer at the state's
     epoch, and the step's check once an epoch then finds the swarm one epoch past it. The peer takes the swarm's
-    epoch, as the load does for a state one epoch old, instead of downloading the whole state again (hivemind's). A
-    peer that loaded nothing, one two epochs behind, and the low-communication mode load again."""
+    epoch, as the load does for a state one epoch old, instead of downloading the whole state again (hivemind's): as
+    a full member in the synchronous mode, catching up (so asking for a parameter round) in the low-communication
+    mode. A peer that loaded nothing and one two epochs behind load again."""
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -343,8 +344,12 @@ def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_e
             assert loads_again(2, epoch_of_last_load=0) and optimizer.local_epoch == 0
             assert not loads_again(1, epoch_of_last_load=0)
             assert optimizer.local_epoch == 1 and optimizer.tracker.local_progress.epoch == 1
-            optimizer.enters_the_epoch_past_its_load = LowCommOptimizer.enters_the_epoch_past_its_load
-            assert loads_again(2, epoch_of_last_load=1) and optimizer.local_epoch == 1
+            assert optimizer.catching_up_since is None and not optimizer.tracker.counts_no_samples
+            optimizer.catches_up_from_one_epoch_behind = LowCommOptimizer.catches_up_from_one_epoch_behind
+            assert not loads_again(2, epoch_of_last_load=1)
+            assert optimizer.local_epoch == 2 and optimizer.tracker.local_progress.epoch == 2
+            assert optimizer.catching_up_since is not None and optimizer.tracker.counts_no_samples
+            assert optimizer.state_averager.state_lag.value == 1
         finally:
             optimizer.shutdown()
     finally:

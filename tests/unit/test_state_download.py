@@ -27,6 +27,7 @@ from collab.averagers import (
     FiniteGradientAverager,
     FiniteTrainingStateAverager,
     bring_scheduler_to_epoch,
+    catches_up_after_a_load,
     catching_up_weight,
     choose_donor,
     honest_progress_epoch,
@@ -450,6 +451,16 @@ def test_a_catching_up_peer_is_made_whole_by_rounds_that_each_lose_a_groupmate_s
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_state_one_epoch_old_is_caught_up_with_only_where_the_mode_says_so():
+    """hivemind takes the swarm's epoch after a state one epoch old and loads again after an older one; here any older
+    one is caught up with, and one epoch old too in the low-communication mode (LowCommOptimizer's flag)."""
+    for one_behind in (False, True):
+        assert not catches_up_after_a_load(5, 5, one_behind)
+        assert catches_up_after_a_load(3, 5, one_behind) and catches_up_after_a_load(0, 40, one_behind)
+    assert not catches_up_after_a_load(4, 5, from_one_epoch_behind=False)
+    assert catches_up_after_a_load(4, 5, from_one_epoch_behind=True)
 
 
 def test_a_catching_up_peer_weighs_only_pseudo_gradients_from_a_state_a_few_rounds_old():
