@@ -585,7 +585,13 @@ def bring_scheduler_to_epoch(scheduler, epoch: int) -> None:
     if scheduler is None or scheduler._step_count > epoch:
         return
     if isinstance(scheduler, LambdaLR):
-        scheduler.last_epoch, scheduler._step_count = epoch - 1, epoch
+        # LambdaLR's own rule, set without step(): a step() right after the optimizer's creation makes PyTorch warn
+        # that the schedule's first rate is skipped, which means nothing for a rate that is a function of the epoch
+        rates = [base * rate_at(epoch) for rate_at, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+        for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler.last_epoch, scheduler._step_count, scheduler._last_lr = epoch, epoch + 1, rates
+        return
     while scheduler._step_count <= epoch:
         scheduler.step()
 

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
@@ -137,9 +138,23 @@ def test_the_scheduler_reaches_a_huge_epoch_at_once_as_hivemind_s_loop_would():
         stepped.step()
     bring_scheduler_to_epoch(jumped, 37)
     assert (jumped.last_epoch, jumped._step_count, jumped.get_last_lr()) == (37, 38, stepped.get_last_lr())
+    assert jumped.optimizer.param_groups[0]["lr"] == stepped.optimizer.param_groups[0]["lr"] == 1 / 38
     started = time.monotonic()
     bring_scheduler_to_epoch(jumped, LIAR_EPOCH)
     assert time.monotonic() - started < 1 and jumped.get_last_lr() == [1 / (1 + LIAR_EPOCH)]
+    jumped.step()  # hivemind's next epoch steps it on from there
+    assert jumped.get_last_lr() == [1 / (2 + LIAR_EPOCH)]
+
+
+def test_a_scheduler_brought_to_epoch_1_before_any_step_gives_the_rate_and_no_warning():
+    """A newcomer that loads a state of epoch 1 sets its schedule before its optimizer ever stepped: PyTorch's warning
+    about a scheduler stepped first (its first rate skipped) was printed in every such peer's log."""
+    optimizer = torch.optim.SGD([torch.zeros(1)], lr=1.0)
+    scheduler = LambdaLR(optimizer, lambda epoch: 1 / (1 + epoch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bring_scheduler_to_epoch(scheduler, 1)
+    assert scheduler.get_last_lr() == [0.5] and optimizer.param_groups[0]["lr"] == 0.5
 
 
 def test_a_gradient_averager_downloads_no_state_hivemind_would_drop():
