@@ -579,14 +579,13 @@ def is_finite_value(value: Any) -> bool:
 
 
 def bring_scheduler_to_epoch(scheduler, epoch: int) -> None:
-    """Where hivemind's ``_update_scheduler`` leaves ``scheduler`` (stepped until ``_step_count > epoch``), in one
-    step for a ``LambdaLR``: its rate is a function of the epoch alone, and one ``step()`` per epoch would take
-    months for a large epoch. Other schedulers are stepped as hivemind does."""
+    """Where hivemind's ``_update_scheduler`` leaves ``scheduler`` (stepped until ``_step_count > epoch``), set at
+    once by LambdaLR's own rule for a ``LambdaLR``: its rate is a function of the epoch alone, one ``step()`` per
+    epoch would take months for a large epoch, and a ``step()`` before the optimizer's first makes PyTorch warn
+    that a first rate is skipped, which means nothing here. Other schedulers are stepped as hivemind does."""
     if scheduler is None or scheduler._step_count > epoch:
         return
     if isinstance(scheduler, LambdaLR):
-        # LambdaLR's own rule, set without step(): a step() right after the optimizer's creation makes PyTorch warn
-        # that the schedule's first rate is skipped, which means nothing for a rate that is a function of the epoch
         rates = [base * rate_at(epoch) for rate_at, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
         for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
             group["lr"] = rate
