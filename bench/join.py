@@ -15,8 +15,10 @@ down).
 Figures, from the newcomer's events and its link's kernel counters:
 
 - ``download_s`` and ``download_vs_bound``: the download's time over the bound (the bytes its link received while
-  it downloaded, through ``--mbit``), ``tries`` (downloads the load took: 1 means no retry) and ``loads`` (loads that
-  moved the peer to a newer state, its ``state_loaded`` events: 1 means no reload loop);
+  it downloaded, through ``--mbit``), ``tries`` (donors asked until the first state applied, by the loads that
+  applied none too: 1 means no retry), ``failed_loads`` (loads before it that applied no state, its
+  ``state_not_loaded`` events) and ``loads`` (loads that moved the peer to a newer state, its ``state_loaded``
+  events: 1 means no reload loop);
 - ``join_seconds_vs_bound``: from its ``joined`` event to its first gradient round with its own samples, over the
   bound (``bench.swarm.join_seconds_vs_bound``, the issue's figure, goal 1.5).
 
@@ -66,6 +68,17 @@ def shadow_flags(prefix: str, address: str, mbit: float, layers: int, mode: Sequ
 
 def first_own_round(events: list[dict]) -> dict | None:
     return next(filter(own_round, events), None)
+
+
+def loads_until_loaded(events: list[dict]) -> list[dict]:
+    """The ``state_not_loaded`` events before the first ``state_loaded``, and that one (when there is one)."""
+    loads = []
+    for record in events:
+        if record["event"] in ("state_not_loaded", "state_loaded"):
+            loads.append(record)
+            if record["event"] == "state_loaded":
+                break
+    return loads
 
 
 def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: Sequence[str] = ()) -> dict:
@@ -130,7 +143,8 @@ def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: Seque
         "download_s": loaded["seconds"],
         "bound_s": bound_s,
         "download_vs_bound": loaded["seconds"] / bound_s if bound_s else None,
-        "tries": loaded.get("tries"),
+        "tries": sum(record.get("tries") or 0 for record in loads_until_loaded(events)),
+        "failed_loads": sum(record["event"] == "state_not_loaded" for record in loads_until_loaded(events)),
         "loads": sum(record["event"] == "state_loaded" for record in events),
         "state_epoch": loaded["epoch"],
         "caught_up_s": next((r["seconds"] for r in events if r["event"] == "caught_up"), None),
@@ -168,8 +182,9 @@ def main(argv=None) -> int:
     print(
         f"state: {figures['received_bytes'] / 1e6:.0f} MB received in {figures['download_s']:.1f} s over "
         f"{args.mbit:g} Mbit/s ({figures['download_vs_bound']:.2f} x the bound), {figures['tries']} download(s), "
-        f"{figures['loads']} load(s); first own round {figures['first_own_round_after_joined_s']:.0f} s after "
-        f"joining: {figures['join_seconds_vs_bound']:.2f} x the bound (goal {JOIN_GOAL})"
+        f"{figures['failed_loads']} failed load(s) before it, {figures['loads']} load(s); first own round "
+        f"{figures['first_own_round_after_joined_s']:.0f} s after joining: {figures['join_seconds_vs_bound']:.2f} x "
+        f"the bound (goal {JOIN_GOAL})"
     )
     print(json.dumps(rounded(figures)))
     return 0

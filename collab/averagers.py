@@ -699,6 +699,8 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     # A download begun before the first load (collab.prefetch.StatePrefetch), which that load's first try takes
     prefetch = None
     download_began: float | None = None  # time.monotonic() when the last load's download began, for its event
+    download_tries = 0  # donors the last load asked (the prefetch included), for its state_loaded or state_not_loaded
+    load_failure: str | None = None  # why the last load applied no state, for its state_not_loaded event
     first_chunk_timeout: float | None = None  # Timeouts.first_chunk_timeout; None: next_chunk_timeout
 
     def __init__(self, *, run_id: str | None = None, **kwargs):
@@ -726,6 +728,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         skipped: list[PeerID] = []
         prefetch, self.prefetch = self.prefetch, None  # a download begun before this load serves its first try
         self.download_began = prefetch.began if prefetch is not None else time.monotonic()
+        self.download_tries, self.load_failure = 0, None
         for tries in range(MAX_DONORS_PER_LOAD):
             time.sleep(download_backoff(tries))
             self._max_donor_epoch.value = math.inf if max_epoch is None else max_epoch
@@ -734,18 +737,21 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
                 downloaded = self._try_download(timeout, skipped)
             if downloaded is None:
                 logger.info("No other peer could send its state; keeping this peer's own")
+                self.load_failure = self.load_failure or "no donor"
                 return False
             donor, metadata, tensors = downloaded
+            self.download_tries += 1
             if donor is not None:
                 skipped.append(donor)
             if tensors is None:
+                self.load_failure = "download failed"  # the try's own warning says how
                 continue
             reason = state_refusal(metadata, tensors, expected_shapes, optimizer_metadata, self.local_epoch, max_epoch)
             if reason is None:
                 self._apply_state(metadata, tensors[: len(parameters)], tensors[len(parameters) :], parameters)
-                self.download_tries = tries + 1  # for the state_loaded event
                 return True
             logger.warning("Refused the state of peer %s: %s; trying another peer", donor, reason)
+            self.load_failure = f"refused: {reason}"
         logger.warning("No acceptable state in %d tries; keeping this peer's own", MAX_DONORS_PER_LOAD)
         return False
 

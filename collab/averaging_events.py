@@ -231,15 +231,25 @@ class OptimizerEventsMixin:
     def load_state_from_peers(self, **kwargs) -> None:
         epoch_before, started = self.local_epoch, time.monotonic()
         super().load_state_from_peers(**kwargs)
+        averager = self.state_averager
+        began = getattr(averager, "download_began", None)  # earlier than the load where begun at start-up
+        started = started if began is None else min(started, began)
+        tries = getattr(averager, "download_tries", None)
         if self.local_epoch > epoch_before:
-            averager = self.state_averager
-            began = getattr(averager, "download_began", None)  # earlier than the load where begun at start-up
-            started = started if began is None else min(started, began)
             events.emit(
                 "state_loaded",
                 epoch=self.local_epoch,
                 epoch_before=epoch_before,
                 bytes=served_state_bytes(averager.optimizer),
                 seconds=round(time.monotonic() - started, 3),
-                tries=getattr(averager, "download_tries", None),
+                tries=tries,
+            )
+        elif tries:  # donors were asked and none gave a state: its bytes crossed the link all the same
+            reason = getattr(averager, "load_failure", None)
+            events.emit(
+                "state_not_loaded",
+                epoch=self.local_epoch,
+                seconds=round(time.monotonic() - started, 3),
+                tries=tries,
+                reason=reason,
             )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.join import first_own_round, main
+from bench.join import first_own_round, loads_until_loaded, main
 
 
 @pytest.mark.parametrize("flags", [["--mbit", "0"], ["--layers", "49"], ["--minutes", "0.5"]])
@@ -30,3 +30,15 @@ def test_the_first_own_round_takes_samples_with_a_groupmate():
     ]
     assert first_own_round(events)["time"] == 5.0
     assert first_own_round(events[:4]) is None
+
+
+def test_tries_until_the_state_is_loaded_count_the_loads_that_applied_none():
+    events = [
+        {"time": 1.0, "event": "joined"},
+        {"time": 230.0, "event": "state_not_loaded", "tries": 1, "reason": "download failed"},
+        {"time": 460.0, "event": "state_loaded", "tries": 2},
+        {"time": 900.0, "event": "state_not_loaded", "tries": 1, "reason": "no donor"},  # later: not this join's
+    ]
+    loads = loads_until_loaded(events)
+    assert [record["time"] for record in loads] == [230.0, 460.0]
+    assert sum(record["tries"] for record in loads) == 3

@@ -523,3 +523,28 @@ def test_a_catching_up_peer_adds_its_pseudo_gradients_weighted_down_by_its_lag()
         finally:
             for averager in pair:
                 averager.shutdown()
+
+
+def test_a_load_whose_only_donor_failed_its_download_at_start_up_says_so_and_counts_the_try():
+    """The download begun at start-up fails (cancelled while its donor does not answer): the load that takes it skips
+    that donor, finds no other, keeps the newcomer's own state, and says why and how many donors it asked (its
+    ``state_not_loaded`` event: the bytes of a failed download crossed the link all the same)."""
+    with two_dhts() as (first, second), declared_donor(first, second) as donor:
+        newcomer = None
+        try:
+            os.kill(donor.pid, signal.SIGSTOP)
+            prefetch = StatePrefetch.start(second, "download_test", FiniteTrainingStateAverager, 60.0, 30.0)
+            wait_until(lambda: prefetch.donor is not None, 30, "the download to choose its donor", poll=0.05)
+            prefetch.cancel()
+            newcomer = make_averager(
+                FiniteTrainingStateAverager, second, 0.0, run_id="download_test", allow_state_sharing=False
+            )
+            newcomer.prefetch = prefetch
+            assert newcomer.load_state_from_peers(timeout=10) is False
+            assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (0, 1, "download failed")
+            for param in newcomer.main_parameters:
+                assert torch.equal(param, torch.zeros_like(param))
+        finally:
+            os.kill(donor.pid, signal.SIGCONT)
+            if newcomer is not None:
+                newcomer.shutdown()
