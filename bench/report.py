@@ -312,13 +312,20 @@ def wan_section(wan: dict) -> str:
     if "lowcomm_state_every_2" in shadow:  # the same peers with parameter rounds every second round
         run = shadow["lowcomm_state_every_2"]
         modes.append([f"{name}, parameter rounds every 2nd round", shadow["rate_mbit"], run])
+    if "lowcomm_long" in shadow:  # the 8-bit run at a longer H, after the same alone run
+        row = [f"low-communication H {shadow.get('long_local_steps')}, 8bit (shadow compute)", shadow["rate_mbit"]]
+        modes += (
+            [[*row, shadow["lowcomm_long"]]]
+            if "lowcomm" in shadow
+            else _with_its_alone_run(*row, shadow["lowcomm_long"])
+        )
     rows = [
         [
             name,
             _f(rate, 3),
             run["samples_per_second"],
             run.get("efficiency"),
-            run.get("bits_per_param_per_step"),
+            _f(run.get("bits_per_param_per_step"), 4),  # against goals of 0.1 and 0.01
             run["window_s"],
             _rounds_per_peer(run),
             _parameter_rounds_per_peer(run),

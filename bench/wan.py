@@ -191,7 +191,7 @@ class Plan:
     shadow_layers: int = 12
     shadow_seconds: float = 60.0  # as ``seconds``, for the shadow runs
     # lowcomm_state_every_2, the parameter rounds of before 2026-11-26, runs when named (--shadow_modes)
-    shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm", "lowcomm_topk")
+    shadow_modes: tuple[str, ...] = ("alone", "sync", "lowcomm_alone", "lowcomm", "lowcomm_topk", "lowcomm_long")
     shadow_topk_fraction: float | None = None  # None: the trainer's default
     loss_variant: tuple[str, ...] = tuple(lowcomm_flags(50, "8bit"))
     # every real-compute run and the plain reference: at target 256 the default rate (0.2) plateaus, then diverges
@@ -541,6 +541,9 @@ def saved_losses(run: dict, held_out_loss: Callable[[Path], float]) -> dict:
 # H of the shadow run's low-communication mode: an outer round every 10 global batches (about 30 s of compute at
 # the setting), so that rounds complete within the measured window.
 SHADOW_LOCAL_STEPS = 10
+# The 8-bit run again at this H, for the table over H: an 8-bit round moves 2 x 2(N-1)/N x 8.06 bits a parameter
+# (16.1 with 2 peers) over 16 H inner steps a peer, so 0.1 bits a parameter an inner step needs H 11 or more.
+SHADOW_LONG_LOCAL_STEPS = 20
 
 
 # Each mode is divided by the same peers alone in that mode (alone, a peer averages nothing: one alone run serves
@@ -550,11 +553,15 @@ SHADOW_ALONE_RUN = {
     "lowcomm": "lowcomm_alone",
     "lowcomm_topk": "lowcomm_alone",
     "lowcomm_state_every_2": "lowcomm_alone",
+    "lowcomm_long": "lowcomm_alone",
 }
 
 
-def shadow_runs(local_steps: int, topk_fraction: float | None = None) -> dict[str, tuple[bool, list[str]]]:
-    """The shadow way's runs in order: {name: (peers together, their own flags)}."""
+def shadow_runs(
+    local_steps: int, topk_fraction: float | None = None, long_local_steps: int = SHADOW_LONG_LOCAL_STEPS
+) -> dict[str, tuple[bool, list[str]]]:
+    """The shadow way's runs in order: {name: (peers together, their own flags)}. One alone run in the
+    low-communication mode serves every H: alone, a peer's outer step is a local copy."""
     lowcomm = lowcomm_flags(local_steps, "8bit")
     topk = lowcomm_flags(local_steps, "topk")
     if topk_fraction is not None:
@@ -566,6 +573,7 @@ def shadow_runs(local_steps: int, topk_fraction: float | None = None) -> dict[st
         "lowcomm": (True, lowcomm),
         # top-k's traffic where the swarm's control traffic is a negligible share of it (a 124M-parameter model)
         "lowcomm_topk": (True, topk),
+        "lowcomm_long": (True, lowcomm_flags(long_local_steps, "8bit")),
         # the low-communication mode's parameter rounds as often as the synchronous mode's, as before 2026-11-26
         "lowcomm_state_every_2": (True, [*lowcomm, "--average_state_every", "2"]),
     }
@@ -601,6 +609,7 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
         "micro_batch_s": micro_s,
         "rate_mbit": SETTING.link_mbit,
         "local_steps": SHADOW_LOCAL_STEPS,
+        "long_local_steps": SHADOW_LONG_LOCAL_STEPS,
         "topk_fraction": plan.shadow_topk_fraction,
         **({"alone": _public(runs["alone"])} if "alone" in runs else {}),
         **shadow_together(runs, numel),
@@ -651,7 +660,7 @@ def summarize(wan: dict) -> dict:
     summary: dict = {key: None for key in SUMMARY_KEYS}
     bits: dict = {}
     if wan.get("shadow"):
-        for mode in ("sync", "lowcomm", "lowcomm_topk"):
+        for mode in ("sync", "lowcomm", "lowcomm_topk", "lowcomm_long"):
             if mode in wan["shadow"]:
                 bits[f"shadow_{mode}"] = wan["shadow"][mode]["bits_per_param_per_step"]
     scaled = wan.get("rate_scaled")

@@ -25,6 +25,7 @@ from bench.wan import (
     bits_per_param_per_step,
     comm_to_compute,
     compute_s,
+    lowcomm_flags,
     outer_rounds_for,
     round_counts,
     scaled_rate_mbit,
@@ -219,7 +220,7 @@ def test_report_marks_variants_not_available_and_names_each_way():
     text = wan_section(wan_figures({"H 50, 8bit": None}))
     assert summarize(wan_figures({"H 50, 8bit": None}))["wan_efficiency_lowcomm"] is None
     assert "Not available in this run" in text and "H 50, 8bit" in text
-    assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | 40.00 | 60.00 | 5 (1) / 6 (0) |" in text
+    assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | 40.0000 | 60.00 | 5 (1) / 6 (0) |" in text
     assert "| synchronous (shadow compute) | 100.000 |" in text
     assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
 
@@ -234,7 +235,7 @@ def test_report_shows_each_low_communication_run_after_its_own_alone_run():
         "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | 60.00 |  |  |"
     )
     assert lines[alone + 1] == (
-        "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.08 | 60.00 | 2 (0) / 2 (1) | 1 / 0 |"
+        "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.0800 | 60.00 | 2 (0) / 2 (1) | 1 / 0 |"
     )
 
 
@@ -410,3 +411,28 @@ def test_the_shadow_topk_run_has_its_row_after_the_8bit_one_and_its_bits_in_the_
     topk_row = "| low-communication H 10, topk 0.03 (shadow compute) | 100.000 | 114.00 | 0.95 |"
     assert lines[eight_bit + 1].startswith(topk_row)
     assert sum(line.startswith("| alone, low-communication H 10") for line in lines) == 1  # one alone run, shown once
+
+
+def test_the_shadow_8bit_run_at_a_longer_h_has_its_own_row_and_bits_beside_h_10():
+    from bench.report import wan_section
+    from bench.wan import shadow_runs
+
+    runs = shadow_runs(10, long_local_steps=20)
+    assert runs["lowcomm_long"] == (True, lowcomm_flags(20, "8bit"))
+    assert runs["lowcomm"] == (True, lowcomm_flags(10, "8bit"))
+
+    figures = wan_figures({"H 50, 8bit": None})
+    alone = _run(120.0)
+    figures["shadow"] |= {
+        "local_steps": 10,
+        "long_local_steps": 20,
+        "lowcomm": _run(110.0, efficiency=0.917, bits_per_param_per_step=0.10851, alone=alone),
+        "lowcomm_long": _run(116.0, efficiency=0.967, bits_per_param_per_step=0.05432, alone=alone),
+    }
+    bits = summarize(figures)["bits_per_param_per_step"]
+    assert (bits["shadow_lowcomm"], bits["shadow_lowcomm_long"]) == (0.10851, 0.05432)
+    lines = wan_section(figures).splitlines()
+    long_row = "| low-communication H 20, 8bit (shadow compute) | 100.000 | 116.00 | 0.97 | 0.0543 |"
+    assert any(line.startswith(long_row) for line in lines)
+    assert any(" | 0.1085 | " in line for line in lines if "H 10, 8bit (shadow" in line)  # four places: goal 0.1
+    assert sum(line.startswith("| alone, low-communication H 10") for line in lines) == 1  # one alone run for both
