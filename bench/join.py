@@ -134,6 +134,7 @@ def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: Seque
         wait_for(lambda: first_own_round(newcomer.events()), left, "the newcomer's first own round", alive=[newcomer])
         events = newcomer.events()
     bound_s = received / (mbit * MBIT)
+    loads = loads_until_loaded(events)
     run = PeerRun("newcomer", "newcomer", newcomer_started, mbit, events=events)
     return {
         "mbit": mbit,
@@ -143,8 +144,8 @@ def measure(mbit: float, layers: int, log_dir: Path, timeout: float, mode: Seque
         "download_s": loaded["seconds"],
         "bound_s": bound_s,
         "download_vs_bound": loaded["seconds"] / bound_s if bound_s else None,
-        "tries": sum(record.get("tries") or 0 for record in loads_until_loaded(events)),
-        "failed_loads": sum(record["event"] == "state_not_loaded" for record in loads_until_loaded(events)),
+        "tries": sum(record.get("tries") or 0 for record in loads),
+        "failed_loads": sum(record["event"] == "state_not_loaded" for record in loads),
         "loads": sum(record["event"] == "state_loaded" for record in events),
         "state_epoch": loaded["epoch"],
         "caught_up_s": next((r["seconds"] for r in events if r["event"] == "caught_up"), None),

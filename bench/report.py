@@ -303,22 +303,25 @@ def wan_section(wan: dict) -> str:
     name = f"low-communication H {shadow.get('local_steps')}, 8bit (shadow compute)"
     if "lowcomm" in shadow:
         modes += _with_its_alone_run(name, shadow["rate_mbit"], shadow["lowcomm"])
-    if "lowcomm_topk" in shadow:  # shares the 8-bit run's alone run, shown once
-        topk = shadow["lowcomm_topk"]
+
+    def sharing_the_8bit_alone_run(name: str, run: dict) -> list[list]:  # shown once, before the 8-bit run
+        return (
+            [[name, shadow["rate_mbit"], run]]
+            if "lowcomm" in shadow
+            else _with_its_alone_run(name, shadow["rate_mbit"], run)
+        )
+
+    if "lowcomm_topk" in shadow:
         fraction = shadow.get("topk_fraction")
         kind = f"topk {fraction:g}" if fraction else "topk"
-        row = [f"low-communication H {shadow.get('local_steps')}, {kind} (shadow compute)", shadow["rate_mbit"], topk]
-        modes += [row] if "lowcomm" in shadow else _with_its_alone_run(row[0], row[1], topk)
+        topk_name = f"low-communication H {shadow.get('local_steps')}, {kind} (shadow compute)"
+        modes += sharing_the_8bit_alone_run(topk_name, shadow["lowcomm_topk"])
     if "lowcomm_state_every_2" in shadow:  # the same peers with parameter rounds every second round
         run = shadow["lowcomm_state_every_2"]
         modes.append([f"{name}, parameter rounds every 2nd round", shadow["rate_mbit"], run])
-    if "lowcomm_long" in shadow:  # the 8-bit run at a longer H, after the same alone run
-        row = [f"low-communication H {shadow.get('long_local_steps')}, 8bit (shadow compute)", shadow["rate_mbit"]]
-        modes += (
-            [[*row, shadow["lowcomm_long"]]]
-            if "lowcomm" in shadow
-            else _with_its_alone_run(*row, shadow["lowcomm_long"])
-        )
+    if "lowcomm_long" in shadow:  # the 8-bit run at a longer H
+        long_name = f"low-communication H {shadow.get('long_local_steps')}, 8bit (shadow compute)"
+        modes += sharing_the_8bit_alone_run(long_name, shadow["lowcomm_long"])
     rows = [
         [
             name,

@@ -245,11 +245,10 @@ class OptimizerEventsMixin:
                 tries=tries,
             )
         elif tries:  # donors were asked and none gave a state: its bytes crossed the link all the same
-            reason = getattr(averager, "load_failure", None)
             events.emit(
                 "state_not_loaded",
                 epoch=self.local_epoch,
                 seconds=round(time.monotonic() - started, 3),
                 tries=tries,
-                reason=reason,
+                reason=getattr(averager, "load_failure", None),
             )

@@ -235,7 +235,8 @@ def test_report_shows_each_low_communication_run_after_its_own_alone_run():
         "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | 60.00 |  |  |"
     )
     assert lines[alone + 1] == (
-        "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.0800 | 60.00 | 2 (0) / 2 (1) | 1 / 0 |"
+        "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.0800 | 60.00 | 2 (0) / 2 (1) "
+        "| 1 / 0 |"
     )
 
 
@@ -390,6 +391,17 @@ def test_loss_runs_stop_at_a_round_end_holding_the_samples_asked_for():
     assert outer_rounds_for(10, 50, 256) == 1
 
 
+def with_shadow_runs(topk_fraction=None, long_local_steps=None, **runs) -> dict:
+    """wan_figures with shadow runs at H 10 beside one alone run: {mode: (samples/s, efficiency, bits)}."""
+    figures, alone = wan_figures({"H 50, 8bit": None}), _run(120.0)
+    figures["shadow"] |= {"local_steps": 10, "topk_fraction": topk_fraction, "long_local_steps": long_local_steps}
+    for mode, (samples_per_second, efficiency, bits) in runs.items():
+        figures["shadow"][mode] = _run(
+            samples_per_second, efficiency=efficiency, bits_per_param_per_step=bits, alone=alone
+        )
+    return figures
+
+
 def test_the_shadow_topk_run_has_its_row_after_the_8bit_one_and_its_bits_in_the_summary():
     from bench.report import wan_section
     from bench.wan import shadow_runs
@@ -397,14 +409,11 @@ def test_the_shadow_topk_run_has_its_row_after_the_8bit_one_and_its_bits_in_the_
     assert shadow_runs(10, 0.03)["lowcomm_topk"][1][-2:] == ["--topk_fraction", "0.03"]
     assert "--topk_fraction" not in shadow_runs(10)["lowcomm_topk"][1]  # the trainer's own default
 
-    figures = wan_figures({"H 50, 8bit": None})
-    alone = _run(120.0)
-    figures["shadow"] |= {
-        "local_steps": 10,
-        "topk_fraction": 0.03,
-        "lowcomm": _run(110.0, efficiency=0.917, bits_per_param_per_step=0.3, alone=alone),
-        "lowcomm_topk": _run(114.0, efficiency=0.95, bits_per_param_per_step=0.004, alone=alone),
-    }
+    figures = with_shadow_runs(
+        topk_fraction=0.03,
+        lowcomm=(110.0, 0.917, 0.3),
+        lowcomm_topk=(114.0, 0.95, 0.004),
+    )
     assert summarize(figures)["bits_per_param_per_step"]["shadow_lowcomm_topk"] == 0.004
     lines = wan_section(figures).splitlines()
     eight_bit = next(i for i, line in enumerate(lines) if line.startswith("| low-communication H 10, 8bit (shadow"))
@@ -421,14 +430,11 @@ def test_the_shadow_8bit_run_at_a_longer_h_has_its_own_row_and_bits_beside_h_10(
     assert runs["lowcomm_long"] == (True, lowcomm_flags(20, "8bit"))
     assert runs["lowcomm"] == (True, lowcomm_flags(10, "8bit"))
 
-    figures = wan_figures({"H 50, 8bit": None})
-    alone = _run(120.0)
-    figures["shadow"] |= {
-        "local_steps": 10,
-        "long_local_steps": 20,
-        "lowcomm": _run(110.0, efficiency=0.917, bits_per_param_per_step=0.10851, alone=alone),
-        "lowcomm_long": _run(116.0, efficiency=0.967, bits_per_param_per_step=0.05432, alone=alone),
-    }
+    figures = with_shadow_runs(
+        long_local_steps=20,
+        lowcomm=(110.0, 0.917, 0.10851),
+        lowcomm_long=(116.0, 0.967, 0.05432),
+    )
     bits = summarize(figures)["bits_per_param_per_step"]
     assert (bits["shadow_lowcomm"], bits["shadow_lowcomm_long"]) == (0.10851, 0.05432)
     lines = wan_section(figures).splitlines()
