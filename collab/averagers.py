@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import InvalidStateError
 from functools import partial
 from itertools import chain
-from typing import Any, AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
+from typing import Any, AsyncIterator, NamedTuple  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
 import torch
@@ -644,6 +644,22 @@ def find_donor(dht: hivemind.DHT, prefix: str, max_epoch: float | None, excluded
     return choose_donor(advertised, math.inf if max_epoch is None else max_epoch, excluded)
 
 
+class DownloadTry(NamedTuple):
+    """One try of a state download: ``donor`` (None where the try never reached one) and, where it succeeded, the
+    state's ``metadata`` and ``tensors``; ``broke_off``: the donor began sending, then a chunk came late or the stream
+    broke (``DownloadBrokeOff``)."""
+
+    donor: PeerID | None
+    metadata: Any = None
+    tensors: list[torch.Tensor] | None = None
+    broke_off: bool = False
+
+
+class DownloadBrokeOff(Exception):
+    """A donor that began streaming its state stopped before the end. Unlike a donor that never answers (gone, or
+    never serving), it was alive and serving a moment ago, so a load with no other donor asks it once more."""
+
+
 async def download_state(
     p2p,
     averager_class: type,
@@ -661,11 +677,17 @@ async def download_state(
     stream = (await stub.rpc_download_state(averaging_pb2.DownloadRequest())).__aiter__()
     metadata, parts, tensors = None, [], []
     timeout = chunk_timeout if first_chunk_timeout is None else max(first_chunk_timeout, chunk_timeout or 0.0)
+    received = 0  # messages so far
     while True:
         try:
             message = await asyncio.wait_for(stream.__anext__(), timeout=timeout)
         except StopAsyncIteration:
             break
+        except Exception as e:
+            if received:
+                raise DownloadBrokeOff(f"after {received} message(s): {e!r}") from e
+            raise
+        received += 1
         timeout = chunk_timeout
         if message.metadata:
             metadata = averager_class.serializer.loads(message.metadata)
@@ -689,9 +711,11 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     signed progress records under ``run_id`` but this peer's own (``honest_progress_epoch``), or when it has a
     non-finite value or another structure; a donor advertising such an epoch is not even asked. The next donor is
     then tried after a backoff (``download_backoff``: 1 s, doubling), up to ``MAX_DONORS_PER_LOAD`` tries in all,
-    and failing all of them the peer keeps its own state. A try that fails or outlives its timeout is stopped in the
-    averager's process, so no abandoned download keeps the link busy. The scheduler is brought to the new epoch in
-    one step (``bring_scheduler_to_epoch``).
+    and failing all of them the peer keeps its own state. Where no donor is left but one whose download broke off
+    midway (``DownloadBrokeOff``: often the only donor of a small swarm), that one is asked once more, after the
+    backoff, rather than leaving the whole state for the next load. A try that fails or outlives its timeout is
+    stopped in the averager's process, so no abandoned download keeps the link busy. The scheduler is brought to the
+    new epoch in one step (``bring_scheduler_to_epoch``).
     Without ``run_id`` no epoch is too far ahead (the other checks still apply).
     """
 
@@ -725,7 +749,8 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         )
         optimizer_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
         expected_shapes = [tensor.shape for tensor in chain(parameters, optimizer_tensors)]
-        skipped: list[PeerID] = []
+        skipped: list[PeerID] = []  # donors not to ask again in this load
+        broke_off: list[PeerID] = []  # donors asked once, whose download broke off midway: each may be asked again
         prefetch, self.prefetch = self.prefetch, None  # a download begun before this load serves its first try
         self.download_began = prefetch.began if prefetch is not None else time.monotonic()
         self.download_tries, self.load_failure = 0, None
@@ -735,14 +760,20 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             downloaded = prefetch.result() if prefetch is not None and tries == 0 else None
             if downloaded is None:
                 downloaded = self._try_download(timeout, skipped)
+            if downloaded is None and broke_off:
+                again = broke_off.pop(0)
+                logger.info("No other donor: asking peer %s again, whose download broke off", again)
+                downloaded = self._try_download(timeout, [peer for peer in skipped if peer != again])
             if downloaded is None:
                 logger.info("No other peer could send its state; keeping this peer's own")
                 self.load_failure = self.load_failure or "no donor"
                 return False
-            donor, metadata, tensors = downloaded
+            donor, metadata, tensors = downloaded.donor, downloaded.metadata, downloaded.tensors
             self.download_tries += 1
-            if donor is not None:
+            if donor is not None and donor not in skipped:
                 skipped.append(donor)
+                if downloaded.broke_off:
+                    broke_off.append(donor)
             if tensors is None:
                 self.load_failure = "download failed"  # the try's own warning says how
                 continue
@@ -755,10 +786,10 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         logger.warning("No acceptable state in %d tries; keeping this peer's own", MAX_DONORS_PER_LOAD)
         return False
 
-    def _try_download(self, timeout: float | None, skipped: Sequence[PeerID]) -> tuple | None:
-        """One try in the averager's process (``_load_state_from_peers``): ``(donor, metadata, tensors)``, with
-        ``(donor or None, None, None)`` for a failed try, or None if no donor is left. A try the averager's process
-        has not answered within twice ``timeout`` is cancelled: that process sees it and stops the download."""
+    def _try_download(self, timeout: float | None, skipped: Sequence[PeerID]) -> DownloadTry | None:
+        """One try in the averager's process (``_load_state_from_peers``), None if no donor is left. A try the
+        averager's process has not answered within twice ``timeout`` is cancelled: that process sees it and stops the
+        download."""
         future = MPFuture()
         self._outer_pipe.send(
             (
@@ -777,7 +808,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         except TimeoutError:
             future.cancel()
             logger.warning("A state download got no answer within %.0f s: cancelled", 2 * timeout)
-            return None, None, None
+            return DownloadTry(None)
 
     def _apply_state(self, metadata: dict, loaded_parameters, loaded_optimizer_tensors, parameters) -> None:
         """The second half of hivemind's ``TrainingStateAverager.load_state_from_peers``: apply a checked state.
@@ -811,8 +842,8 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         first_chunk_timeout: float | None = None,
     ):
         """Runs in the averager's process: download from the one donor advertising the highest epoch not past the
-        limit (ties broken at random), other than this peer and ``skipped``; result ``(donor, metadata, tensors)``,
-        ``(donor, None, None)`` if it failed, None if there is no donor. Each chunk waits at most
+        limit (ties broken at random), other than this peer and ``skipped``; result a ``DownloadTry``, None if there
+        is no donor. Each chunk waits at most
         ``next_chunk_timeout`` (else ``request_timeout``; the first, ``first_chunk_timeout``: ``download_state``) and
         the whole download at most ``timeout``, so a donor that trickles its state cannot hold the newcomer; a
         download the peer cancelled (``_try_download``) stops."""
@@ -833,12 +864,12 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
                 logger.info("Stopped the state download from peer %s: the peer abandoned it", donor)
             elif not download.done():
                 logger.warning("Downloading the state from peer %s took over %.0f s: stopped", donor, timeout)
-                answer(future, (donor, None, None))
+                answer(future, DownloadTry(donor))
             elif download.exception() is not None:
                 logger.warning("Downloading the state from peer %s failed: %s", donor, repr(download.exception()))
-                answer(future, (donor, None, None))
+                answer(future, DownloadTry(donor, broke_off=isinstance(download.exception(), DownloadBrokeOff)))
             else:
-                answer(future, (donor, *download.result()))
+                answer(future, DownloadTry(donor, *download.result()))
         finally:
             answer(future, None)
 

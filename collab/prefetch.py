@@ -15,12 +15,11 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
 
-from collab.averagers import download_state, find_donor, max_donor_epoch, swarm_epoch
+from collab.averagers import DownloadBrokeOff, DownloadTry, download_state, find_donor, max_donor_epoch, swarm_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ RESULT_MARGIN = 30.0  # seconds a load waits for a prefetch past its timeout: it
 
 class StatePrefetch:
     """One download of the swarm's state, begun now in a daemon thread (``start``). ``result()`` waits for it and
-    gives ``(donor, metadata, tensors)``, ``(donor, None, None)`` for a failed try, or None where no donor was found;
+    gives its ``DownloadTry``, or None where no donor was found;
     ``cancel()`` stops it. ``began`` is when it began (``time.monotonic()``); ``donor``, the peer it asks, once
     chosen."""
 
@@ -48,7 +47,7 @@ class StatePrefetch:
         self.timeout, self.chunk_timeout, self.first_chunk_timeout = timeout, chunk_timeout, first_chunk_timeout
         self.began = time.monotonic()
         self.donor: PeerID | None = None
-        self._result: tuple[Any, ...] | None = None
+        self._result: DownloadTry | None = None
         self._done, self._cancelled = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="state-prefetch", daemon=True)
 
@@ -58,7 +57,7 @@ class StatePrefetch:
         prefetch._thread.start()
         return prefetch
 
-    def result(self) -> tuple[Any, ...] | None:
+    def result(self) -> DownloadTry | None:
         """The download's outcome, once it ended (at most ``timeout`` plus a margin from now: then it is cancelled
         and counts as a failed try of its donor, or as no donor if it had none yet)."""
         if not self._done.wait(self.timeout + RESULT_MARGIN):
@@ -85,11 +84,11 @@ class StatePrefetch:
             self._result = asyncio.run(self._download(self.donor))
         except Exception as e:
             logger.warning("The state download begun at start-up failed: %r", e)
-            self._result = None if self.donor is None else (self.donor, None, None)
+            self._result = None if self.donor is None else DownloadTry(self.donor)
         finally:
             self._done.set()
 
-    async def _download(self, donor: PeerID) -> tuple[Any, ...]:
+    async def _download(self, donor: PeerID) -> DownloadTry:
         # a client of its own to the DHT's p2p daemon: the one hivemind caches (replicate_p2p) is bound to one loop
         p2p = await P2P.replicate(self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr))
         try:
@@ -105,11 +104,10 @@ class StatePrefetch:
                 download.cancel()
                 why = "cancelled" if self._cancelled.is_set() else f"took over {self.timeout:.0f} s"
                 logger.warning("Downloading the state from peer %s %s: stopped", donor, why)
-                return donor, None, None
+                return DownloadTry(donor)
             if download.exception() is not None:
                 logger.warning("Downloading the state from peer %s failed: %r", donor, download.exception())
-                return donor, None, None
-            metadata, tensors = download.result()
-            return donor, metadata, tensors
+                return DownloadTry(donor, broke_off=isinstance(download.exception(), DownloadBrokeOff))
+            return DownloadTry(donor, *download.result())
         finally:
             await p2p.shutdown()

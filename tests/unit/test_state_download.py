@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -24,6 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from collab.averagers import (
     MAX_CONTRIBUTING_LAG,
+    DownloadTry,
     FiniteAverager,
     FiniteGradientAverager,
     FiniteTrainingStateAverager,
@@ -229,10 +232,13 @@ def test_a_newcomer_gets_the_honest_state_past_a_liar_of_epoch_2_39_and_one_serv
 
 
 @contextlib.contextmanager
-def declared_donor(first: hivemind.DHT, second: hivemind.DHT, epoch: int = 5):
-    """A donor on ``first`` whose parameters hold 1.0, at ``epoch`` (its progress record too, which bounds the epoch
-    a newcomer accepts), once ``second`` sees its state declared; shut down afterwards (again, if a test did)."""
-    donor = make_averager(FiniteTrainingStateAverager, first, 1.0)
+def declared_donor(
+    first: hivemind.DHT, second: hivemind.DHT, epoch: int = 5, averager_class: type = FiniteTrainingStateAverager
+):
+    """A donor (an ``averager_class``) on ``first`` whose parameters hold 1.0, at ``epoch`` (its progress record too,
+    which bounds the epoch a newcomer accepts), once ``second`` sees its state declared; shut down afterwards (again,
+    if a test did)."""
+    donor = make_averager(averager_class, first, 1.0)
     try:
         donor.local_epoch = donor.state_sharing_priority = epoch
         donor.allow_state_sharing = True
@@ -322,7 +328,7 @@ def test_a_download_at_start_up_stops_once_cancelled_and_counts_as_its_donor_s_f
             assert not prefetch._done.wait(1.0), "the download from a donor that does not answer ended"
             cancelled = time.monotonic()
             prefetch.cancel()
-            assert prefetch.result() == (first.peer_id, None, None)
+            assert prefetch.result() == DownloadTry(first.peer_id)  # no state, and not a download that broke off
             assert time.monotonic() - cancelled < 5.0
         finally:
             os.kill(donor.pid, signal.SIGCONT)
@@ -548,3 +554,78 @@ def test_a_load_whose_only_donor_failed_its_download_at_start_up_says_so_and_cou
             os.kill(donor.pid, signal.SIGCONT)
             if newcomer is not None:
                 newcomer.shutdown()
+
+
+BREAK_SECONDS = 3.0  # how long the donor below goes silent: past the newcomer's chunk timeout
+NEWCOMER_CHUNK_TIMEOUT = 1.0
+
+
+class BreaksOff(FiniteTrainingStateAverager):
+    """A donor whose first ``downloads_to_break`` state downloads send one message and then go silent past the
+    newcomer's chunk timeout, as a donor whose link stalls midway; it serves later downloads whole."""
+
+    _rpc_handlers = None  # its own, not a parent's cached ones
+    downloads_to_break = 1
+    downloads_begun = 0  # in the averager's process, which serves every download
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        self.downloads_begun += 1
+        breaks_off = self.downloads_begun <= self.downloads_to_break
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            if breaks_off:
+                await asyncio.sleep(BREAK_SECONDS)
+                return
+
+
+class BreaksOffAlways(BreaksOff):
+    _rpc_handlers = None
+    downloads_to_break = math.inf
+
+
+def test_a_lone_donor_whose_download_broke_off_midway_is_asked_once_more_and_its_state_applied():
+    """The only donor sends the first part of its state, then nothing for longer than the chunk timeout: the load
+    asks it again after the backoff (it was serving a moment ago) and applies its whole state, in one load of two
+    tries. Before, the load skipped that donor, found no other and kept the newcomer's own state, so its next load
+    downloaded everything again."""
+    with two_dhts() as (first, second), declared_donor(first, second, averager_class=BreaksOff):
+        newcomer = make_averager(
+            FiniteTrainingStateAverager,
+            second,
+            0.0,
+            run_id="download_test",
+            allow_state_sharing=False,
+            next_chunk_timeout=NEWCOMER_CHUNK_TIMEOUT,
+        )
+        try:
+            started = time.monotonic()
+            assert newcomer.load_state_from_peers(timeout=20) is True
+            assert time.monotonic() - started < 15
+            assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (5, 2, "download failed")
+            for param in newcomer.main_parameters:
+                assert torch.equal(param, torch.ones_like(param))
+        finally:
+            newcomer.shutdown()
+
+
+def test_a_donor_that_breaks_off_every_download_is_asked_twice_in_a_load_not_more():
+    """A lone donor that breaks off each download: the load asks it once more, then keeps the newcomer's own state
+    (two tries, not one per ``MAX_DONORS_PER_LOAD``)."""
+    with two_dhts() as (first, second), declared_donor(first, second, averager_class=BreaksOffAlways):
+        newcomer = make_averager(
+            FiniteTrainingStateAverager,
+            second,
+            0.0,
+            run_id="download_test",
+            allow_state_sharing=False,
+            next_chunk_timeout=NEWCOMER_CHUNK_TIMEOUT,
+        )
+        try:
+            assert newcomer.load_state_from_peers(timeout=20) is False
+            assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (0, 2, "download failed")
+            for param in newcomer.main_parameters:
+                assert torch.equal(param, torch.zeros_like(param))
+        finally:
+            newcomer.shutdown()
