@@ -843,10 +843,9 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     ):
         """Runs in the averager's process: download from the one donor advertising the highest epoch not past the
         limit (ties broken at random), other than this peer and ``skipped``; result a ``DownloadTry``, None if there
-        is no donor. Each chunk waits at most
-        ``next_chunk_timeout`` (else ``request_timeout``; the first, ``first_chunk_timeout``: ``download_state``) and
-        the whole download at most ``timeout``, so a donor that trickles its state cannot hold the newcomer; a
-        download the peer cancelled (``_try_download``) stops."""
+        is no donor. Each chunk waits at most ``next_chunk_timeout`` (else ``request_timeout``; the first,
+        ``first_chunk_timeout``: ``download_state``) and the whole download at most ``timeout``, so a donor that
+        trickles its state cannot hold the newcomer; a download the peer cancelled (``_try_download``) stops."""
         try:
             excluded = {self.peer_id, *map(PeerID.from_base58, skipped)}
             donor = find_donor(self.dht, self.prefix, self._max_donor_epoch.value, excluded)
