@@ -585,47 +585,44 @@ class BreaksOffAlways(BreaksOff):
     downloads_to_break = math.inf
 
 
+@contextlib.contextmanager
+def newcomer_of_a_lone(donor_class: type):
+    """A newcomer (parameters 0.0, chunk timeout ``NEWCOMER_CHUNK_TIMEOUT``) whose only donor is a ``donor_class``
+    (``declared_donor``); both shut down afterwards."""
+    with two_dhts() as (first, second), declared_donor(first, second, averager_class=donor_class):
+        newcomer = make_averager(
+            FiniteTrainingStateAverager,
+            second,
+            0.0,
+            run_id="download_test",
+            allow_state_sharing=False,
+            next_chunk_timeout=NEWCOMER_CHUNK_TIMEOUT,
+        )
+        try:
+            yield newcomer
+        finally:
+            newcomer.shutdown()
+
+
 def test_a_lone_donor_whose_download_broke_off_midway_is_asked_once_more_and_its_state_applied():
     """The only donor sends the first part of its state, then nothing for longer than the chunk timeout: the load
     asks it again after the backoff (it was serving a moment ago) and applies its whole state, in one load of two
     tries. Before, the load skipped that donor, found no other and kept the newcomer's own state, so its next load
     downloaded everything again."""
-    with two_dhts() as (first, second), declared_donor(first, second, averager_class=BreaksOff):
-        newcomer = make_averager(
-            FiniteTrainingStateAverager,
-            second,
-            0.0,
-            run_id="download_test",
-            allow_state_sharing=False,
-            next_chunk_timeout=NEWCOMER_CHUNK_TIMEOUT,
-        )
-        try:
-            started = time.monotonic()
-            assert newcomer.load_state_from_peers(timeout=20) is True
-            assert time.monotonic() - started < 15
-            assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (5, 2, "download failed")
-            for param in newcomer.main_parameters:
-                assert torch.equal(param, torch.ones_like(param))
-        finally:
-            newcomer.shutdown()
+    with newcomer_of_a_lone(BreaksOff) as newcomer:
+        started = time.monotonic()
+        assert newcomer.load_state_from_peers(timeout=20) is True
+        assert time.monotonic() - started < 15
+        assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (5, 2, "download failed")
+        for param in newcomer.main_parameters:
+            assert torch.equal(param, torch.ones_like(param))
 
 
 def test_a_donor_that_breaks_off_every_download_is_asked_twice_in_a_load_not_more():
     """A lone donor that breaks off each download: the load asks it once more, then keeps the newcomer's own state
     (two tries, not one per ``MAX_DONORS_PER_LOAD``)."""
-    with two_dhts() as (first, second), declared_donor(first, second, averager_class=BreaksOffAlways):
-        newcomer = make_averager(
-            FiniteTrainingStateAverager,
-            second,
-            0.0,
-            run_id="download_test",
-            allow_state_sharing=False,
-            next_chunk_timeout=NEWCOMER_CHUNK_TIMEOUT,
-        )
-        try:
-            assert newcomer.load_state_from_peers(timeout=20) is False
-            assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (0, 2, "download failed")
-            for param in newcomer.main_parameters:
-                assert torch.equal(param, torch.zeros_like(param))
-        finally:
-            newcomer.shutdown()
+    with newcomer_of_a_lone(BreaksOffAlways) as newcomer:
+        assert newcomer.load_state_from_peers(timeout=20) is False
+        assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (0, 2, "download failed")
+        for param in newcomer.main_parameters:
+            assert torch.equal(param, torch.zeros_like(param))
