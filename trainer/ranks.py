@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 MAX_RANKS = 1024  # torchrun's --nproc_per_node on one machine; a larger WORLD_SIZE is not a machine's devices
 BUCKET_ELEMENTS = 1 << 24  # values per collective (64 MiB of fp32): bounds the extra memory of flattening
 GLOO_RELEASE_SECONDS = 1.0  # the longest wait for gloo's worker thread to let go of a finished collective's tensor
+GLOO_WORKER_THREAD_NAME = "pt_gloo_runloop"  # what ProcessGroupGloo names its worker threads (/proc/self/task/*/comm)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,27 @@ def process_group(ranks: Ranks, timeout: float | None) -> Iterator[None]:
     finally:
         _joined = ALONE
         dist.destroy_process_group()
+        if device.type == "cpu" and gloo_worker_threads() > 0:
+            # DTensor's caches (the sharded path) keep the group alive past destroy_process_group, so its worker
+            # threads are not joined: give each the GIL to drop the collective it finished (``run_to_release``)
+            # before the interpreter shuts down, where taking it aborts the process
+            time.sleep(GLOO_RELEASE_SECONDS)
+
+
+def gloo_worker_threads() -> int:
+    """How many of this process's threads are gloo's worker threads (0 where /proc is not Linux's)."""
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return 0
+    return sum(_thread_name(task) == GLOO_WORKER_THREAD_NAME for task in tasks)
+
+
+def _thread_name(task: Path) -> str:
+    try:
+        return (task / "comm").read_text().strip()
+    except OSError:  # the thread ended meanwhile
+        return ""
 
 
 def keep_children_out_of_group_signals() -> None:

@@ -105,7 +105,7 @@ def test_a_reference_never_let_go_delays_the_rank_a_bounded_time():
 def exchange(rank: int, port: int, out: str) -> None:
     """One rank of a two-rank peer (a spawned process): start a step, reduce gradients, stop; results to ``out``."""
     from collab import events
-    from trainer.ranks import RankSync, StepStart, current, process_group
+    from trainer.ranks import RankSync, StepStart, current, gloo_worker_threads, process_group
 
     os.environ.update({**TORCHRUN_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank)})
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -121,7 +121,9 @@ def exchange(rank: int, port: int, out: str) -> None:
         loss = sync.reduce_gradients(3.0 + rank)
         stop = sync.start_step(StepStart(False, 8, 1024.0) if rank == 0 else None)
         world_size = current().world_size
+        gloo_threads = gloo_worker_threads()
     result = {
+        "gloo_threads": [gloo_threads, gloo_worker_threads()],
         "start": [start.keep_going, start.epoch, start.loss_scale],
         "stop": [stop.keep_going, stop.epoch],
         "parameters": [param.tolist() for param in after_start],
@@ -165,6 +167,7 @@ def test_two_ranks_start_each_step_from_rank_0s_parameters_and_average_their_gra
         assert result["other_grad"] == [[0.0, 0.0]]  # no rank had one: zeros
         assert result["loss"] == 3.5
         assert (result["world_size"], result["after"]) == (2, 1)  # ALONE again after the group
+        assert result["gloo_threads"][0] > 0 and result["gloo_threads"][1] == 0  # joined when the group ends
 
     events_path = str(tmp_path / "peer.events.jsonl")
     synced = [read_events(rank_events_path(events_path, rank), "ranks_synced") for rank in (0, 1)]
@@ -179,7 +182,7 @@ def sharded_exchange(rank: int, port: int, out: str) -> None:
     """One rank of a two-rank peer with --shard_model (a spawned process): each rank computes on its shard of a
     small MLP; rank 0 also holds the whole model in host memory. One step; results to ``out``."""
     from collab import events
-    from trainer.ranks import ShardedRankSync, StepStart, process_group, shard
+    from trainer.ranks import ShardedRankSync, StepStart, gloo_worker_threads, process_group, shard
 
     os.environ.update({**TORCHRUN_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank)})
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -197,6 +200,7 @@ def sharded_exchange(rank: int, port: int, out: str) -> None:
         mean_loss = sync.reduce_gradients(loss.item())
         sync.start_step(StepStart(False, 8, 1.0) if rank == 0 else None)
     result = {"local_rows": local_rows, "assembled": assembled, "loss": loss.item(), "mean_loss": mean_loss}
+    result["gloo_threads_after"] = gloo_worker_threads()
     if rank == 0:
         result["whole"] = [param.tolist() for param in whole.parameters()]
         result["whole_grads"] = [param.grad.tolist() for param in whole.parameters()]
@@ -220,6 +224,8 @@ def test_sharded_ranks_compute_on_rank_0s_parameters_and_rank_0_gets_the_mean_gr
     for got, want in zip(rank_0["whole_grads"], reference.parameters(), strict=True):
         assert torch.allclose(torch.tensor(got), want.grad / 2, atol=1e-6), (got, want.grad / 2)
     assert rank_0["mean_loss"] == pytest.approx((rank_0["loss"] + rank_1["loss"]) / 2)
+    # DTensor's caches keep the group, and its worker threads, past its end: the case process_group waits out
+    assert rank_0["gloo_threads_after"] > 0 and rank_1["gloo_threads_after"] > 0
 
     events_path = str(tmp_path / "peer.events.jsonl")
     synced = [read_events(rank_events_path(events_path, rank), "ranks_synced") for rank in (0, 1)]
