@@ -177,9 +177,10 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
     async def _communicate_with_peer(self, peer_id: PeerID):
         try:
             await super()._communicate_with_peer(peer_id)
-        except Exception as error:
-            # hivemind logs why at DEBUG only; its WARNING says how much came back, not from whom or why
-            if peer_id != self.peer_id:
+        except BaseException as error:
+            unanswered = self._note_kept_local(peer_id)  # at once: hivemind registered the failure just before
+            if isinstance(error, Exception) and peer_id != self.peer_id:
+                # hivemind logs why at DEBUG only; its WARNING says how much came back, not from whom or why
                 logger.warning(
                     "%s round: no averaged values from %s for the rest of its span (%r); this peer keeps its own "
                     "values there",
@@ -187,14 +188,31 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
                     peer_id,
                     error,
                 )
+                if unanswered and peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
+                    # refused at once (BAD_GROUP_ID, or its stream reset first): not in this round, so it sends no
+                    # parts either, and this peer's reducer stops waiting for them (the sender timeout)
+                    await self._ban_sender(peer_id)
             raise
-        finally:
-            # hivemind registers a failed reducer's remaining parts, the tail of its span, just before it raises here
-            failed = self.tensor_part_container.failed_size - self._failed_size_seen
-            if failed:
-                self._failed_size_seen += failed
-                end = self._reducer_span_end(self.ordered_peer_ids.index(peer_id))
-                self._kept_local_spans.append((end - failed, end))
+
+    async def _ban_sender(self, peer_id: PeerID):
+        await super()._ban_sender(peer_id)
+        # hivemind's watcher of missing senders holds the round's end until every sender has started, or for the
+        # sender timeout: a banned sender never will
+        if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+            self.all_senders_started.set()
+
+    def _note_kept_local(self, peer_id: PeerID) -> bool:
+        """Record the span of ``peer_id``'s that a failure left as this peer had it (hivemind registers a failed
+        reducer's remaining parts, the tail of its span); whether that is the whole span: not one part answered."""
+        failed = self.tensor_part_container.failed_size - self._failed_size_seen
+        if not failed:
+            return False
+        self._failed_size_seen += failed
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        end = self._reducer_span_end(peer_index)
+        self._kept_local_spans.append((end - failed, end))
+        start = self._reducer_span_end(peer_index - 1) if peer_index > 0 else 0
+        return failed == end - start
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's parts for the groupmate at ``peer_index``, ending the stream at once if one cannot be encoded.

@@ -53,7 +53,7 @@ from hivemind.utils.asyncio import amap_in_executor
 from arguments import DEFAULT_TOPK_FRACTION
 from collab import sparse_form
 from collab.averaging_events import ReplyLedger, RoundTraffic
-from collab.hivemind_fixes import quantization_extract
+from collab.hivemind_fixes import group_wait_seconds, quantization_extract, wait_for_group
 
 logger = logging.getLogger(__name__)
 
@@ -300,10 +300,10 @@ class WireAveragerMixin:
                 ledger.close()
 
     async def _round_traffic(self, group_id: bytes):
-        """The ``traffic`` of the runner of ``group_id`` (a throwaway count where there is none): found as hivemind's
-        ``rpc_aggregate_part`` finds the runner, including its wait for a group that is still being registered."""
-        if group_id not in self._running_groups:
-            await self._pending_groups_registered.wait()
+        """The ``traffic`` of the runner of ``group_id`` (a throwaway count where there is none): found as
+        ``rpc_aggregate_part`` finds the runner, after the same wait for a group that is still being registered
+        (``wait_for_group``)."""
+        await wait_for_group(self, group_id, group_wait_seconds(self))
         future = self._running_groups.get(group_id)
         if future is None:
             return RoundTraffic()

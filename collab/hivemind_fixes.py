@@ -111,25 +111,38 @@ def register_allreduce_group_waking_senders(self, group_info):
         yield
 
 
+GROUP_CHECK_PERIOD = 0.5  # seconds between two looks at whether a part's unregistered group may still be this peer's
+
+
+def group_wait_seconds(averager) -> float:
+    """The longest a groupmate's part waits for its group to register here: the sender timeout, as hivemind's
+    runner waits for a sender's next part."""
+    return averager.allreduce_kwargs.get("sender_timeout") or averager.matchmaking_kwargs["request_timeout"]
+
+
 async def wait_for_group(averager, group_id: bytes, timeout: float) -> None:
-    """Return once ``group_id`` is registered in ``averager``, or after ``timeout`` seconds."""
+    """Return once ``group_id`` is registered in ``averager``, once it cannot become one of its groups
+    (``EpochMatchmaking.may_hold_group``, looked at every GROUP_CHECK_PERIOD), or after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while group_id not in averager._running_groups and (remaining := deadline - time.monotonic()) > 0:
+        may_hold_group = getattr(getattr(averager, "_matchmaking", None), "may_hold_group", None)
+        if may_hold_group is not None and not may_hold_group(group_id):
+            return
         event = averager.__dict__.setdefault(_GROUPS_CHANGED, asyncio.Event())
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), remaining)
+            await asyncio.wait_for(event.wait(), min(remaining, GROUP_CHECK_PERIOD))
 
 
 async def rpc_aggregate_part_waiting_for_group(
     self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
 ) -> AsyncIterator[averaging_pb2.AveragingData]:
     """hivemind's ``rpc_aggregate_part``, except that a part for a group this peer has not registered yet waits for
-    that group for up to the sender timeout instead of being refused with BAD_GROUP_ID, and waits for the group's
+    that group (``wait_for_group``: up to the sender timeout, while the group may still be this peer's) instead of
+    waiting for whichever group registers next and then being refused with BAD_GROUP_ID, and waits for the group's
     runner through a shield: hivemind's bare ``await`` cancelled the group's future when the sender gave up, and this
     peer's own round then failed ("Unable to run All-Reduce: invalid state")."""
     request = await anext(stream)
-    timeout = self.allreduce_kwargs.get("sender_timeout") or self.matchmaking_kwargs["request_timeout"]
-    await wait_for_group(self, request.group_id, timeout)
+    await wait_for_group(self, request.group_id, group_wait_seconds(self))
     future = self._running_groups.get(request.group_id)
     if future is None:
         yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)

@@ -233,6 +233,9 @@ class EpochMatchmaking(Matchmaking):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # groups this averager's rounds were assembled into, newest last: a round registers its group only once
+        # triggered, and its groupmates' parts may come first
+        self.assembled_group_ids: deque[bytes] = deque(maxlen=ASSEMBLED_GROUPS_KEPT)
         self.window = MatchmakingWindow(self.min_matchmaking_time)
         self.group_key_manager = TimedGroupKeyManager(self.group_key_manager, self._dht_call_timed)
 
@@ -279,6 +282,24 @@ class EpochMatchmaking(Matchmaking):
         leader's answer comes late, and the leader may already count this peer in its group."""
         return self.current_leader is not None or bool(self.current_followers) or self.leader_asked is not None
 
+    async def leader_assemble_group(self) -> GroupInfo:
+        group_info = await super().leader_assemble_group()
+        self.assembled_group_ids.append(group_info.group_id)
+        return group_info
+
+    async def follower_assemble_group(self, leader: PeerID, msg: averaging_pb2.MessageFromLeader) -> GroupInfo:
+        group_info = await super().follower_assemble_group(leader, msg)
+        self.assembled_group_ids.append(group_info.group_id)
+        return group_info
+
+    def may_hold_group(self, group_id: bytes) -> bool:
+        """Whether ``group_id`` is, or may still become, a group of this averager's: one its rounds were assembled
+        into, or any while a leader it asked to join may still announce its group. Otherwise a groupmate's part for
+        it is for a group this peer is not in (its ask to that leader timed out before the leader's answer came:
+        the leader counts it, it does not), and the part is refused at once instead of held until the sender's
+        timeout, which on a slow link is minutes."""
+        return group_id in self.assembled_group_ids or self.leader_asked is not None
+
     async def _request_join_group(self, leader: PeerID):
         self.leader_asked = leader
         try:
@@ -293,6 +314,7 @@ class EpochMatchmaking(Matchmaking):
         return await super()._request_join_potential_leaders(step)
 
 
+ASSEMBLED_GROUPS_KEPT = 8
 OWNER_CANCEL_GRACE = 5.0  # seconds a round its owner cancelled may take to read as cancelled in this process
 
 
