@@ -51,7 +51,7 @@ import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
-from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state, load_optimizer_state
@@ -125,6 +125,16 @@ class FiniteTensorPartReducer(TensorPartReducer):
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
 
+def is_refusal(error: BaseException, peer_id: PeerID) -> bool:
+    """Whether a groupmate's answer to this peer's parts reads as "not in this group": BAD_GROUP_ID, or its stream
+    reset (it answers at once and closes, and the reset can reach this peer before the answer). An error answer to
+    parts it did receive (INTERNAL_ERROR: this peer's parts were cut short) is not one."""
+    refused = f"{peer_id} sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}"
+    return isinstance(error, (BrokenPipeError, ConnectionResetError)) or (
+        isinstance(error, AllreduceException) and str(error) == refused
+    )
+
+
 class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllReduceRunner):
     """hivemind's all-reduce with a ``FiniteTensorPartReducer`` and non-finite averaged values kept local; one
     WARNING per round that dropped anything, naming ``round_kind``. With ``shared_average``, one average for the whole
@@ -188,9 +198,13 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
                     peer_id,
                     error,
                 )
-                if unanswered and peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
-                    # refused at once (BAD_GROUP_ID, or its stream reset first): not in this round, so it sends no
-                    # parts either, and this peer's reducer stops waiting for them (the sender timeout)
+                if (
+                    unanswered
+                    and is_refusal(error, peer_id)
+                    and peer_id in self.sender_peer_ids
+                    and peer_id not in self.active_senders
+                ):
+                    # not in this round, so it sends no parts either: this peer's reducer stops waiting for them
                     await self._ban_sender(peer_id)
             raise
 
