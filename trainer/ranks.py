@@ -139,7 +139,8 @@ def process_group(ranks: Ranks, timeout: float | None) -> Iterator[None]:
         if device.type == "cpu" and gloo_worker_threads() > 0:
             # DTensor's caches (the sharded path) keep the group alive past destroy_process_group, so its worker
             # threads are not joined: give each the GIL to drop the collective it finished (``run_to_release``)
-            # before the interpreter shuts down, where taking it aborts the process
+            # before the interpreter shuts down, where taking it aborts the process. A fixed wait: nothing this
+            # process can read tells an idle worker from one about to take the GIL
             time.sleep(GLOO_RELEASE_SECONDS)
 
 
