@@ -328,6 +328,7 @@ def wan_section(wan: dict) -> str:
             _f(rate, 3),
             run["samples_per_second"],
             run.get("efficiency"),
+            run.get("busy_fraction"),
             _f(run.get("bits_per_param_per_step"), 4),  # against goals of 0.1 and 0.01
             run["window_s"],
             _rounds_per_peer(run),
@@ -350,6 +351,7 @@ def wan_section(wan: dict) -> str:
                 "link (Mbit/s)",
                 "samples/s",
                 "efficiency",
+                "busy",
                 "bits/param/step",
                 "window (s)",
                 "gradient rounds averaged (given up), per peer",
@@ -432,8 +434,11 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   and per step (a global epoch in synchronous mode, an inner step in low-communication mode). Peers start on fast
   links (the newcomers' state download is not measured), then the links are shaped, one epoch passes and the window
   opens. The same peers, each training alone in its own experiment on the same network, are the denominator of each
-  efficiency; alone, a peer averages nothing, so its window opens after its first steps. *Rate scaling* runs real
-  `run_trainer.py` peers on links slowed so that a synchronous round's time over an epoch's compute equals that of
+  efficiency; alone, a peer averages nothing, so its window opens after its first steps. *Busy* is the share of the
+  window the peers computed (median over them, `bench.wan.busy_fraction`: each interval between two of a peer's
+  steps counts up to twice its median interval, the rest is waiting), the figure OpenDiLoCo and INTELLECT-1 report
+  as compute utilisation; efficiency also counts what the peers' sharing these few cores costs. *Rate scaling* runs
+  real `run_trainer.py` peers on links slowed so that a synchronous round's time over an epoch's compute equals that of
   the setting named above the table; *shadow compute* (`bench/shadow.py`) runs the real optimizer path on
   GPT-2-shaped gradients with a calibrated wait for forward and backward (utilisation and traffic only, never loss).
   Rounds averaged and given up are the peers' `averaged` and `round_given_up` events; a window that holds none of

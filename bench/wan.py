@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,12 @@ FLOPS_PER_PARAM_TOKEN = 6  # forward and backward of a transformer: 6 FLOPs per 
 MAX_BENCH_LOCAL_STEPS = 1000
 FAST_LINK_MBIT = 1000.0  # joining (state download) and the loss runs: the link is not what these measure
 SUMMARY_KEYS = ("wan_efficiency_sync", "wan_efficiency_lowcomm", "bits_per_param_per_step", "lowcomm_loss_ratio")
+# Beside them, the share of the time the peers computed (``busy_fraction``), the figure OpenDiLoCo and INTELLECT-1
+# report as compute utilisation: it leaves out what efficiency also counts, peers sharing these few cores.
+BUSY_KEYS = ("wan_busy_sync", "wan_busy_lowcomm")
+# An interval between two of a peer's steps longer than this many times its median interval is waiting (a round, a
+# state download) beyond its own pace.
+WAIT_FACTOR = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +120,20 @@ class Window:
     samples_per_second: float
     records: list[int]  # optimizer.step calls (inner steps with accumulation 1) of each peer
     epochs: list[int]  # global epochs each peer entered
+    busy: list[float | None]  # each peer's busy_fraction
+
+
+def busy_fraction(times: Sequence[float], start: float, end: float) -> float | None:
+    """The share of ``(start, end]`` a peer spent computing at its own pace, from the times of its steps in it: each
+    interval (from ``start`` to the first step, between steps, from the last to ``end``) counts up to WAIT_FACTOR
+    times the median interval between its steps; the rest was waiting. None with fewer than 3 steps inside."""
+    inside = sorted(t for t in times if start < t <= end)
+    if len(inside) < 3:
+        return None
+    pace = statistics.median(b - a for a, b in zip(inside, inside[1:], strict=False))
+    edges = [start, *inside, end]
+    computing = sum(min(b - a, WAIT_FACTOR * pace) for a, b in zip(edges, edges[1:], strict=False))
+    return computing / (end - start)
 
 
 def window_figures(peers_steps: Sequence[Sequence[Sequence[float]]], start: float, end: float) -> Window:
@@ -126,7 +147,8 @@ def window_figures(peers_steps: Sequence[Sequence[Sequence[float]]], start: floa
         before = [step[2] for step in steps if step[0] <= start]
         first = before[-1] if before else (within[0][2] if within else 0)
         epochs.append(int(within[-1][2] - first) if within else 0)
-    return Window(samples / (end - start), [len(steps) for steps in inside], epochs)
+    busy = [busy_fraction([step[0] for step in steps], start, end) for steps in peers_steps]
+    return Window(samples / (end - start), [len(steps) for steps in inside], epochs, busy)
 
 
 def lowcomm_flags(local_steps: int, compression: str) -> list[str]:
@@ -379,6 +401,7 @@ def run_swarm(
         "window_s": end - start,
         "records": window.records,
         "epochs": window.epochs,
+        "busy_fraction": median_of(window.busy),
         "link_bytes": traffic,
         "samples": [sum(s[1] for s in peer) for peer in records()],
         # a round given up lets a peer go on with its own gradients: a swarm that averages rarely looks fast
@@ -392,12 +415,16 @@ def run_swarm(
     }
 
 
+def median_of(values: Sequence[float | None]) -> float | None:
+    """The middle of the values given (the upper one of an even count), None where none is."""
+    found = sorted(v for v in values if v is not None)
+    return found[len(found) // 2] if found else None
+
+
 def traffic_bits(run: dict, params: int, per_epoch: bool) -> float | None:
     """Median over the peers of bits per parameter per step; a synchronous step is a global epoch."""
     steps = run["epochs"] if per_epoch else run["records"]
-    values = [bits_per_param_per_step(b, params, s) for b, s in zip(run["link_bytes"], steps, strict=True)]
-    values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
+    return median_of([bits_per_param_per_step(b, params, s) for b, s in zip(run["link_bytes"], steps, strict=True)])
 
 
 def _public(run: dict) -> dict:
@@ -656,8 +683,8 @@ def measure(
 
 
 def summarize(wan: dict) -> dict:
-    """The four summary figures; the best low-communication variant stands for the mode."""
-    summary: dict = {key: None for key in SUMMARY_KEYS}
+    """The four summary figures and BUSY_KEYS; the best low-communication variant stands for the mode."""
+    summary: dict = {key: None for key in (*SUMMARY_KEYS, *BUSY_KEYS)}
     bits: dict = {}
     if wan.get("shadow"):
         for mode in ("sync", "lowcomm", "lowcomm_topk", "lowcomm_long"):
@@ -671,6 +698,8 @@ def summarize(wan: dict) -> dict:
         bits |= {name: run["bits_per_param_per_step"] for name, run in scaled["lowcomm"].items() if run}
         summary["wan_efficiency_sync"] = scaled["sync"]["efficiency"]
         summary["wan_efficiency_lowcomm"] = best and best["efficiency"]
+        summary["wan_busy_sync"] = scaled["sync"].get("busy_fraction")
+        summary["wan_busy_lowcomm"] = best and best.get("busy_fraction")
     if wan.get("loss"):
         summary["lowcomm_loss_ratio"] = wan["loss"]["ratio"]
     summary["bits_per_param_per_step"] = bits or None

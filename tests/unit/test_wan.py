@@ -23,6 +23,7 @@ from bench.wan import (
     SUMMARY_KEYS,
     Setting,
     bits_per_param_per_step,
+    busy_fraction,
     comm_to_compute,
     compute_s,
     lowcomm_flags,
@@ -79,6 +80,17 @@ def test_window_counts_samples_steps_and_epochs_inside_it():
     assert window.samples_per_second == pytest.approx(5 * 16 / 4.0)
     with pytest.raises(ValueError):
         window_figures(peers, 3.0, 3.0)
+
+
+def test_busy_fraction_counts_a_peer_s_waits_beyond_twice_its_pace():
+    # steps every second from 1 to 4, a 6-s wait, then steps at 11 and 12; window (0, 13]
+    times = [1.0, 2.0, 3.0, 4.0, 10.0, 11.0, 12.0]
+    # intervals 1 (from the start), 1, 1, 1, 6 -> 2, 1, 1, 1 (to the end): 9 s computing of 13
+    assert busy_fraction(times, 0.0, 13.0) == pytest.approx(9 / 13)
+    assert busy_fraction([1.0, 2.0, 3.0, 4.0], 0.0, 4.0) == pytest.approx(1.0)  # never waited
+    assert busy_fraction([1.0, 2.0], 0.0, 4.0) is None  # too few steps to know a pace
+    window = window_figures([[[t, 16, 0] for t in times], [[1.0, 16, 0]]], 0.0, 13.0)
+    assert window.busy == [pytest.approx(9 / 13), None]
 
 
 def test_shadow_shapes_are_gpt2_small():
@@ -175,7 +187,7 @@ def test_summary_takes_the_best_low_communication_variant():
     assert summary["wan_efficiency_sync"] == 0.2 and summary["wan_efficiency_lowcomm"] == 0.97
     assert summary["bits_per_param_per_step"]["H 200, topk"] == 0.004
     assert summary["lowcomm_loss_ratio"] is None
-    assert set(summary) == set(SUMMARY_KEYS)
+    assert set(summary) == {*SUMMARY_KEYS, "wan_busy_sync", "wan_busy_lowcomm"}
 
 
 def test_the_loss_runs_give_the_ratio_at_equal_samples_and_the_report_names_every_loss():
@@ -220,7 +232,7 @@ def test_report_marks_variants_not_available_and_names_each_way():
     text = wan_section(wan_figures({"H 50, 8bit": None}))
     assert summarize(wan_figures({"H 50, 8bit": None}))["wan_efficiency_lowcomm"] is None
     assert "Not available in this run" in text and "H 50, 8bit" in text
-    assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | 40.0000 | 60.00 | 5 (1) / 6 (0) |" in text
+    assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | n/a | 40.0000 | 60.00 | 5 (1) / 6 (0) |" in text
     assert "| synchronous (shadow compute) | 100.000 |" in text
     assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
 
@@ -228,14 +240,14 @@ def test_report_marks_variants_not_available_and_names_each_way():
 def test_report_shows_each_low_communication_run_after_its_own_alone_run():
     from bench.report import wan_section
 
-    run = _run(90.0, efficiency=0.9, bits_per_param_per_step=0.08, alone=_run(100.0))
+    run = _run(90.0, efficiency=0.9, busy_fraction=0.97, bits_per_param_per_step=0.08, alone=_run(100.0))
     run |= {"averaging_rounds": [2, 2], "rounds_given_up": [0, 1], "parameter_rounds": [1, 0]}
     lines = wan_section(wan_figures({"H 50, 8bit": run})).splitlines()
     alone = lines.index(
-        "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | 60.00 |  |  |"
+        "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | n/a | 60.00 |  |  |"
     )
     assert lines[alone + 1] == (
-        "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.0800 | 60.00 | 2 (0) / 2 (1) "
+        "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.97 | 0.0800 | 60.00 | 2 (0) / 2 (1) "
         "| 1 / 0 |"
     )
 
@@ -254,9 +266,11 @@ def test_bench_summary_line_and_report_carry_the_wan_part():
     from bench import report
     from bench.__main__ import summarize as bench_summary
 
-    figures = {"wan": wan_figures({"H 50, 8bit": _run(90.0, efficiency=0.9, bits_per_param_per_step=0.08)})}
+    lowcomm = _run(90.0, efficiency=0.9, bits_per_param_per_step=0.08, busy_fraction=0.95)
+    figures = {"wan": wan_figures({"H 50, 8bit": lowcomm})}
     line = json.loads(bench_summary(figures))
     assert line["wan_efficiency_sync"] == 0.2 and line["wan_efficiency_lowcomm"] == 0.9
+    assert line["wan_busy_lowcomm"] == 0.95 and line["wan_busy_sync"] is None
     assert line["bits_per_param_per_step"] == {"shadow_sync": 33.0, "sync": 40.0, "H 50, 8bit": 0.08}
     assert json.loads(bench_summary({}))["wan_efficiency_sync"] is None
     header = {"date": "2026-11-25", "command": "make bench", "wall_min": 1.0, "machine": "test"}
@@ -438,7 +452,7 @@ def test_the_shadow_8bit_run_at_a_longer_h_has_its_own_row_and_bits_beside_h_10(
     bits = summarize(figures)["bits_per_param_per_step"]
     assert (bits["shadow_lowcomm"], bits["shadow_lowcomm_long"]) == (0.10851, 0.05432)
     lines = wan_section(figures).splitlines()
-    long_row = "| low-communication H 20, 8bit (shadow compute) | 100.000 | 116.00 | 0.97 | 0.0543 |"
+    long_row = "| low-communication H 20, 8bit (shadow compute) | 100.000 | 116.00 | 0.97 | n/a | 0.0543 |"
     assert any(line.startswith(long_row) for line in lines)
     assert any(" | 0.1085 | " in line for line in lines if "H 10, 8bit (shadow" in line)  # four places: goal 0.1
     assert sum(line.startswith("| alone, low-communication H 10") for line in lines) == 1  # one alone run for both
