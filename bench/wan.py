@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.formulas import MBIT, allreduce_bytes_per_peer, mean, ratio, rounded
+from bench.formulas import MBIT, allreduce_bytes_per_peer, mean, median, ratio, rounded
 from bench.procs import (
     ONE_THREAD,
     Child,
@@ -401,7 +401,7 @@ def run_swarm(
         "window_s": end - start,
         "records": window.records,
         "epochs": window.epochs,
-        "busy_fraction": median_of(window.busy),
+        "busy_fraction": median([busy for busy in window.busy if busy is not None]),
         "link_bytes": traffic,
         "samples": [sum(s[1] for s in peer) for peer in records()],
         # a round given up lets a peer go on with its own gradients: a swarm that averages rarely looks fast
@@ -415,16 +415,12 @@ def run_swarm(
     }
 
 
-def median_of(values: Sequence[float | None]) -> float | None:
-    """The middle of the values given (the upper one of an even count), None where none is."""
-    found = sorted(v for v in values if v is not None)
-    return found[len(found) // 2] if found else None
-
-
 def traffic_bits(run: dict, params: int, per_epoch: bool) -> float | None:
     """Median over the peers of bits per parameter per step; a synchronous step is a global epoch."""
     steps = run["epochs"] if per_epoch else run["records"]
-    return median_of([bits_per_param_per_step(b, params, s) for b, s in zip(run["link_bytes"], steps, strict=True)])
+    values = [bits_per_param_per_step(b, params, s) for b, s in zip(run["link_bytes"], steps, strict=True)]
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
 def _public(run: dict) -> dict:
