@@ -279,9 +279,11 @@ def _parameter_rounds_per_peer(run: dict) -> str:
 
 
 def _with_its_alone_run(name: str, rate: float, run: dict) -> list[list]:
-    """A low-communication run's row, after the row of the same peers alone in that mode (its efficiency's base)."""
+    """A low-communication run's row, between the rows of the same peers alone in that mode before and after it
+    (its efficiency's base: the shadow way has the one before only)."""
     alone = [[f"alone, {name}", "no link", run["alone"]]] if run.get("alone") else []
-    return [*alone, [name, rate, run]]
+    after = [[f"alone after, {name}", "no link", run["alone_after"]]] if run.get("alone_after") else []
+    return [*alone, [name, rate, run], *after]
 
 
 def wan_section(wan: dict) -> str:
@@ -434,7 +436,9 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   and per step (a global epoch in synchronous mode, an inner step in low-communication mode). Peers start on fast
   links (the newcomers' state download is not measured), then the links are shaped, one epoch passes and the window
   opens. The same peers, each training alone in its own experiment on the same network, are the denominator of each
-  efficiency; alone, a peer averages nothing, so its window opens after its first steps. *Busy* is the share of the
+  efficiency; alone, a peer averages nothing, so its window opens after its first steps. On the rate-scaled way the
+  low-communication runs of one H sit between two alone runs, before and after, and the mean of the two is their
+  denominator: this shared machine's speed drifts between windows minutes apart. *Busy* is the share of the
   window the peers computed (median over them, `bench.wan.busy_fraction`: each interval between two of a peer's
   steps counts up to twice its median interval, the rest is waiting), the figure OpenDiLoCo and INTELLECT-1 report
   as compute utilisation; efficiency also counts what the peers' sharing these few cores costs. *Rate scaling* runs

@@ -423,6 +423,21 @@ def traffic_bits(run: dict, params: int, per_epoch: bool) -> float | None:
     return values[len(values) // 2] if values else None
 
 
+def variants_by_local_steps(variants: dict[str, list[str]]) -> dict[str, list[tuple[str, list[str]]]]:
+    """The low-communication variants grouped by their ``--local_steps`` (H), in the order each H first appears:
+    the variants of one H run between the same two alone runs."""
+    groups: dict[str, list[tuple[str, list[str]]]] = {}
+    for variant, flags in variants.items():
+        groups.setdefault(flags[flags.index("--local_steps") + 1], []).append((variant, flags))
+    return groups
+
+
+def bracketed_rate(before: dict, after: dict) -> float | None:
+    """The samples/s of peers alone over the time between two alone runs: the mean of the two, or the one that
+    measured where the other did not."""
+    return mean([run["samples_per_second"] for run in (before, after) if run.get("samples_per_second") is not None])
+
+
 def _public(run: dict) -> dict:
     return {key: value for key, value in run.items() if key not in ("models", "steps_files")}
 
@@ -442,33 +457,37 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with
         slow = [*common, *link_flags(rate)]
         sync = run_swarm(network, "sync", slow, log_dir, plan.seconds, rate_mbit=rate)
         progress("wan: synchronous")
-        lowcomm: dict = {}
+        lowcomm: dict = dict.fromkeys(plan.lowcomm_variants)  # the plan's order, whatever order they run in
         loss = None
-        alone_by_h: dict[str, dict] = {}
         available = trainer_has_flag("local_steps")
-        for variant, flags in plan.lowcomm_variants.items():
-            if available:
-                # the same peers alone in the same mode: their inner steps cost what they cost in the swarm. Alone a
-                # peer averages nothing, so variants that differ only in compression share one alone run.
-                h = flags[flags.index("--local_steps") + 1]
-                if h not in alone_by_h:
-                    alone_by_h[h] = run_swarm(
-                        network, f"lowcomm_h{h}_alone", [*common, *flags], log_dir, plan.seconds, together=False
-                    )
-                by_itself = alone_by_h[h]
+        for h, variants in (variants_by_local_steps(plan.lowcomm_variants) if available else {}).items():
+            # the same peers alone in the same mode, before and after the variants of this H: their inner steps cost
+            # what they cost in the swarm, and the mean of the two stands for the time between them on this shared
+            # machine, whose speed drifts (docs/benchmarks/2026-12-03-amd-epyc-2core-bracketed-alone.md). Alone a
+            # peer averages nothing, so variants that differ only in compression share them.
+            alone_flags = [*common, *variants[0][1]]
+            before = run_swarm(network, f"lowcomm_h{h}_alone", alone_flags, log_dir, plan.seconds, together=False)
+            runs = {}
+            for variant, flags in variants:
                 if with_loss and tuple(flags) == plan.loss_variant and loss is None:
-                    run = loss = loss_run(network, plan, log_dir, rate, link_flags(rate))
+                    runs[variant] = loss = loss_run(network, plan, log_dir, rate, link_flags(rate))
                 else:
-                    name = f"lowcomm{len(lowcomm)}"
-                    run = run_swarm(network, name, [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate)
+                    name = f"lowcomm{sum(run is not None for run in lowcomm.values()) + len(runs)}"
+                    runs[variant] = run_swarm(network, name, [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate)
+                progress(f"wan: {variant}")
+            after = run_swarm(network, f"lowcomm_h{h}_alone_after", alone_flags, log_dir, plan.seconds, together=False)
+            reference = bracketed_rate(before, after)
+            for variant, run in runs.items():
                 lowcomm[variant] = _public(run) | {
-                    "alone": _public(by_itself),
-                    "efficiency": ratio(run["samples_per_second"], by_itself["samples_per_second"]),
+                    "alone": _public(before),
+                    "alone_after": _public(after),
+                    "alone_samples_per_second": reference,
+                    "efficiency": ratio(run["samples_per_second"], reference),
                     "bits_per_param_per_step": traffic_bits(run, params, per_epoch=False),
                 }
-            else:
-                lowcomm[variant] = None
-            progress(f"wan: {variant}")
+        if not available:
+            for variant in lowcomm:
+                progress(f"wan: {variant}")
     return {
         "params": params,
         "epoch_compute_s": epoch_compute_s,

@@ -237,11 +237,12 @@ def test_report_marks_variants_not_available_and_names_each_way():
     assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
 
 
-def test_report_shows_each_low_communication_run_after_its_own_alone_run():
+def test_report_shows_each_low_communication_run_between_its_own_alone_runs():
     from bench.report import wan_section
 
     run = _run(90.0, efficiency=0.9, busy_fraction=0.97, bits_per_param_per_step=0.08, alone=_run(100.0))
     run |= {"averaging_rounds": [2, 2], "rounds_given_up": [0, 1], "parameter_rounds": [1, 0]}
+    run["alone_after"] = _run(104.0)
     lines = wan_section(wan_figures({"H 50, 8bit": run})).splitlines()
     alone = lines.index(
         "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | n/a | 60.00 |  |  |"
@@ -250,6 +251,33 @@ def test_report_shows_each_low_communication_run_after_its_own_alone_run():
         "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.97 | 0.0800 | 60.00 | 2 (0) / 2 (1) "
         "| 1 / 0 |"
     )
+    assert lines[alone + 2] == (
+        "| alone after, low-communication H 50, 8bit (rate scaling) | no link | 104.00 | n/a | n/a | n/a | 60.00 "
+        "|  |  |"
+    )
+
+
+def test_variants_of_one_h_share_their_alone_runs_in_the_order_each_h_first_appears():
+    from bench.wan import lowcomm_flags, variants_by_local_steps
+
+    variants = {
+        "H 50, 8bit": lowcomm_flags(50, "8bit"),
+        "H 25, 8bit": lowcomm_flags(25, "8bit"),
+        "H 50, topk": lowcomm_flags(50, "topk"),
+    }
+    groups = variants_by_local_steps(variants)
+    assert list(groups) == ["50", "25"]
+    assert [name for name, _ in groups["50"]] == ["H 50, 8bit", "H 50, topk"]
+    assert groups["25"] == [("H 25, 8bit", variants["H 25, 8bit"])]
+
+
+def test_the_alone_reference_is_the_mean_of_the_runs_before_and_after():
+    from bench.wan import bracketed_rate
+
+    assert bracketed_rate({"samples_per_second": 100.0}, {"samples_per_second": 110.0}) == 105.0
+    # a run that measured nothing leaves the other as the reference; neither, no reference
+    assert bracketed_rate({"samples_per_second": 100.0}, {"samples_per_second": None}) == 100.0
+    assert bracketed_rate({}, {"samples_per_second": None}) is None
 
 
 def test_window_holds_two_whole_epochs_within_bounds():
