@@ -443,7 +443,8 @@ def _public(run: dict) -> dict:
 
 
 def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with_loss: bool = False) -> dict:
-    """Real compute, rate scaling: alone, synchronous, then each low-communication variant, on one hub network.
+    """Real compute, rate scaling: alone, synchronous, then the low-communication variants of each H between an alone
+    run in that mode before and one after them, on one hub network.
     ``with_loss``: the variant that is the loss way's ``loss_variant`` runs as that way's low-communication side
     (whole rounds, models saved; ``loss_run``), its window from every peer's first round to the first peer's last,
     and the run is returned under ``"loss_run"`` too."""
@@ -460,6 +461,7 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with
         lowcomm: dict = dict.fromkeys(plan.lowcomm_variants)  # the plan's order, whatever order they run in
         loss = None
         available = trainer_has_flag("local_steps")
+        swarms = 0  # the low-communication swarms run so far: each one's name
         for h, variants in (variants_by_local_steps(plan.lowcomm_variants) if available else {}).items():
             # the same peers alone in the same mode, before and after the variants of this H: their inner steps cost
             # what they cost in the swarm, and the mean of the two stands for the time between them on this shared
@@ -472,8 +474,10 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with
                 if with_loss and tuple(flags) == plan.loss_variant and loss is None:
                     runs[variant] = loss = loss_run(network, plan, log_dir, rate, link_flags(rate))
                 else:
-                    name = f"lowcomm{sum(run is not None for run in lowcomm.values()) + len(runs)}"
-                    runs[variant] = run_swarm(network, name, [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate)
+                    runs[variant] = run_swarm(
+                        network, f"lowcomm{swarms}", [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate
+                    )
+                swarms += 1
                 progress(f"wan: {variant}")
             after = run_swarm(network, f"lowcomm_h{h}_alone_after", alone_flags, log_dir, plan.seconds, together=False)
             reference = bracketed_rate(before, after)
