@@ -566,7 +566,7 @@ def test_sigterm_and_sigint_shut_down_cleanly_and_save_the_model(tmp_path, sampl
 
 def test_unreachable_initial_peer_fails_fast_with_a_clear_message(tmp_path, sample_data):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGSiXnbyZEN46UhS1odotVQFtBHtxH5gfoJHwGhNiwYDd"
-    peer = PeerProcess(["--initial_peers", dead, "--bootstrap_timeout", "5"], tmp_path / "peer.log")
+    peer = PeerProcess(["--initial_peers", dead, "--bootstrap_timeout", "2"], tmp_path / "peer.log")
     try:
         assert peer.wait(timeout=120) == 2
     finally:

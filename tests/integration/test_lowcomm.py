@@ -35,7 +35,7 @@ from trainer.local import TORCHRUN, LocalProcess, MonitorProcess, PeerProcess, f
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 KILL_AFTER = 2
-MAX_STEPS = 10
+MAX_STEPS = 8
 STEP_CAP = MAX_STEPS + 20  # --max_steps: a bound should the stop below never come
 AVERAGING_TIMEOUT = 15
 LOCAL_STEPS = 2

@@ -14,7 +14,7 @@ from collab.signals import EXIT_NOT_SAVED
 from trainer.local import PeerProcess, wait_until
 
 SAVE_PAUSE = ["--faults", "pause_model_save@1=600"]  # tests/faulty_peer.py: the final save waits 10 minutes
-DEADLINE = 6.0  # --shutdown_timeout, as a volunteer under docker stop (10 s) would give it
+DEADLINE = 3.0  # --shutdown_timeout: well inside the 10 s a volunteer under docker stop has
 EXIT_BOUND = 60.0  # seconds past the deadline for the forced exit on a loaded machine
 
 

@@ -29,11 +29,11 @@ from trainer.local import MonitorProcess, PeerProcess, wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ADMIN = "integration-admin-token"
-LIFETIME = 40  # seconds: processes refresh at a quarter of it, so every 10 s here
+LIFETIME = 32  # seconds: processes refresh at a quarter of it, so every 8 s here
 # seconds the web app is frozen: longer than the refresh interval, so every process has a refresh fail, and shorter
-# than the 30 s that any token held at its start has left
-OUTAGE = 20
-STEPS = 16  # about 2 s each: the run outlasts the outage and the refresh after it by several steps
+# than the 24 s that any token held at its start has left: 10 s to spare for the refresh after it, as at 40 and 20
+OUTAGE = 14
+STEPS = 13  # about 2 s each: the run outlasts the outage (from step 2) and the refresh after it by several steps
 A_NAME = 'peer <A> "one"'  # A's --public_name: the dashboard shows it escaped
 
 
