@@ -163,8 +163,24 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         self.sender_starts.setdefault(context.remote_id, time.monotonic() - self.started)
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
+        replies = 0
+        try:
+            async for message in super().rpc_aggregate_part(stream, context):
+                replies += 1
+                yield message
+        except asyncio.CancelledError:
+            # hivemind's stream handler cancels this, silently, when the sender's stream closes under it (or the
+            # round or this peer stops): the sender only sees the replies end short and keeps its own values
+            if replies < self.tensor_part_reducer.num_parts:
+                logger.warning(
+                    "%s round: the stream of parts from %s was closed after %d of its %d replies (its connection "
+                    "closed, or this round stopped); it keeps its own values for the rest of this peer's span",
+                    self.round_kind.capitalize(),
+                    context.remote_id,
+                    replies,
+                    self.tensor_part_reducer.num_parts,
+                )
+            raise
 
     def latest_start(self) -> float:
         """Seconds after this peer's start that the last groupmate to start sent its first part (0 if none did)."""

@@ -39,7 +39,7 @@ from collab.averagers import (
 )
 from collab.compression import PseudoGradientCodec, WireAveragerMixin
 from collab.hivemind_fixes import PROGRESS_REPORT_PERIOD
-from collab.repairs import RepairRequests, next_epoch_in_reach
+from collab.repairs import LEFT_APART_REPAIR_SHARE, RepairRequests, next_epoch_in_reach, worth_a_repair
 
 logger = logging.getLogger(__name__)
 
@@ -416,11 +416,23 @@ class LowCommOptimizer(FiniteAveragingOptimizer):
         self.stepped_alone = alone
 
     def _load_averaged_gradients_into_optimizer_(self):
-        """hivemind's, noting a round that averaged some values with no one (a groupmate dropped out of it), or the
-        first one with others after this peer stepped alone: this peer's anchor may differ from the swarm's (a
-        needless repair when the others' state came from this peer, as a lone founder's newcomers' does)."""
-        if self.grad_averager.kept_local_last_round.value > 0 or self.stepped_alone:
+        """hivemind's, noting a round that averaged enough values with no one to ask for a repair (a groupmate dropped
+        out of it: ``worth_a_repair``), or the first one with others after this peer stepped alone: this peer's anchor
+        may differ from the swarm's (a needless repair when the others' state came from this peer, as a lone
+        founder's newcomers' does)."""
+        kept_local = self.grad_averager.kept_local_last_round.value
+        values = sum(parameter.numel() for parameter in self.state_averager.main_parameters)
+        if worth_a_repair(kept_local, values) or self.stepped_alone:
             self.left_apart = True
+        elif kept_local:
+            logger.info(
+                "The pseudo-gradient round averaged %d of this peer's %d values (%.2g %%) with no one: under %g %%, "
+                "so they wait for the next regular parameter round rather than a repair",
+                kept_local,
+                values,
+                100 * kept_local / values,
+                100 * LEFT_APART_REPAIR_SHARE,
+            )
         self.stepped_alone = False
         super()._load_averaged_gradients_into_optimizer_()
 

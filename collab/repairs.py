@@ -39,6 +39,11 @@ REPAIR_GRANULARITY = 2  # honoured epochs are multiples of it: at most one extra
 NEXT_EPOCH_MARGIN = 2.0
 NEXT_EPOCH_SLACK_S = 5.0
 REQUEST_TTL_S = 6 * 3600.0  # a request outlives any round; one of a past epoch is never honoured again
+# A round that averaged a few of a peer's values with no one (a reducer's reply cut short) leaves just those apart, by
+# a bounded offset: later averages are shared, and the momentum left apart fades by 0.9 a round. A repair is a whole
+# parameter round, 4 bytes a parameter, which stalled a swarm at 0.69 Mbit/s for 73 s over 384 of 1M values
+# (docs/benchmarks/2026-12-03-amd-epyc-2core-proportional-repair.md): under this share the regular round repairs them.
+LEFT_APART_REPAIR_SHARE = 0.01
 
 
 def repairs_key(experiment_prefix: str) -> str:
@@ -55,6 +60,12 @@ def repair_epoch(swarm_epoch: int, in_reach: bool = False) -> int:
     past the next one too unless ``in_reach`` (``next_epoch_in_reach``)."""
     earliest = swarm_epoch + (1 if in_reach else 2)
     return -(-earliest // REPAIR_GRANULARITY) * REPAIR_GRANULARITY
+
+
+def worth_a_repair(kept_local: int, values: int) -> bool:
+    """Whether a round that kept ``kept_local`` of a peer's ``values`` as they were (averaged with no one) left it
+    apart enough to ask for a parameter round now: LEFT_APART_REPAIR_SHARE of them or more."""
+    return kept_local > 0 and kept_local >= LEFT_APART_REPAIR_SHARE * values
 
 
 def honoured_epochs(values: Iterable) -> frozenset[int]:

@@ -18,12 +18,14 @@ from transformers import AutoModelForMaskedLM
 from arguments import AveragerArguments, OptimizerArguments, PeerArguments, ProgressTrackerArguments, TrainingArguments
 from collab.optim import build_optimizer
 from collab.repairs import (
+    LEFT_APART_REPAIR_SHARE,
     REPAIR_GRANULARITY,
     RepairRequests,
     honoured_epochs,
     next_epoch_in_reach,
     repair_epoch,
     repairs_key,
+    worth_a_repair,
 )
 from collab.schema import MAX_STEP, MetricSchema
 from tests.local_dht import two_dhts
@@ -45,6 +47,15 @@ def test_the_next_epoch_is_in_reach_with_two_matchmaking_times_and_five_seconds_
 def test_only_plain_ints_on_the_grid_within_bounds_are_honoured():
     values = [4, 7, -2, MAX_STEP + 1, True, 6.0, "8", None, [10], 2**62, 12]
     assert honoured_epochs(values) == {4, 12}
+
+
+def test_a_round_that_kept_one_percent_of_the_values_local_or_more_is_worth_a_repair_and_fewer_wait():
+    assert LEFT_APART_REPAIR_SHARE == 0.01
+    values = 1_007_744  # the default model's parameters; 1 % of them is 10,077.44
+    assert worth_a_repair(values, values) and worth_a_repair(values // 3, values) and worth_a_repair(10_078, values)
+    assert not worth_a_repair(10_077, values)
+    assert not worth_a_repair(384, values)  # a reducer's reply three parts short (bench.wan, H 25)
+    assert not worth_a_repair(0, values) and not worth_a_repair(0, 0)
 
 
 def repair_record(value, subkey: bytes = b"[owner:peer]") -> DHTRecord:
