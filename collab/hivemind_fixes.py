@@ -616,6 +616,14 @@ class FixedDHT(hivemind.DHT):
 EPOCH_LEAD_LIMIT = MetricsArguments.alive_step_lag
 
 
+# A peer that trains publishes its progress at least every progress_report_period, a new epoch at once. A record not
+# renewed for this many periods (plus a slow store's time) is a peer that died or stopped training: hivemind still
+# counted its rate and extrapolated its samples until the record expired (metadata_expiration, 60 s), so after a
+# SIGKILL the others' ETA came early and they stepped on a fraction of the batch, each at its own moment.
+STALE_PROGRESS_PERIODS = 3
+STALE_PROGRESS_SLACK_S = 5.0
+
+
 def progress_key(run_id: str) -> str:
     """The DHT key of hivemind's ``ProgressTracker`` records (``{run_id}_progress``, one signed subkey per peer)."""
     return f"{run_id}_progress"
@@ -670,8 +678,27 @@ class SpacedProgressTracker(ProgressTracker):
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
-            metadata = records_within_reach(metadata, get_dht_time(), self.dht.peer_id.to_bytes())
+            now = get_dht_time()
+            metadata = records_within_reach(metadata, now, self.dht.peer_id.to_bytes())
+            stale_after = STALE_PROGRESS_PERIODS * self.progress_report_period + STALE_PROGRESS_SLACK_S
+            metadata = without_stale_contributions(metadata, now, stale_after)
         return super()._parse_swarm_progress_data(metadata)
+
+
+def without_stale_contributions(records: Mapping[Any, Any], now: float, stale_after: float) -> dict:
+    """``records`` where each one last published more than ``stale_after`` seconds before ``now`` counts no samples and
+    no rate: its peer still counts (its epoch, the number of peers), but the ETA and the batch's samples come from
+    peers that train. Malformed records pass unchanged (hivemind's parsing judges them)."""
+    kept = {}
+    for key, entry in records.items():
+        value = entry.value if isinstance(entry, ValueWithExpiration) else None
+        published = value.get("time") if isinstance(value, dict) else None
+        if isinstance(published, int | float) and not isinstance(published, bool) and now - published > stale_after:
+            entry = ValueWithExpiration(
+                {**value, "samples_accumulated": 0, "samples_per_second": 0.0}, entry.expiration_time
+            )
+        kept[key] = entry
+    return kept
 
 
 def records_within_reach(records: Mapping[Any, Any], now: float, own_peer: bytes | None = None) -> dict:

@@ -22,18 +22,22 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from collab import hivemind_fixes
 from collab.hivemind_fixes import (
+    PROGRESS_REPORT_PERIOD,
+    STALE_PROGRESS_PERIODS,
+    STALE_PROGRESS_SLACK_S,
     FixedDecentralizedAverager,
     SpacedProgressTracker,
     _original_switch_to_uvloop,
     run_leaving_no_task_pending,
     switch_to_uvloop_keeping_tasks,
+    without_stale_contributions,
 )
 from tests.hivemind_patches import entry_point_patches_applied
 from tests.local_dht import STALE_TEST_MATCHMAKING, matched_averager, two_dhts
@@ -339,6 +343,47 @@ def test_spaced_tracker_publishes_once_per_period_but_a_new_epoch_at_once():
     assert during_steps == 1, f"{during_steps} stores for {STEPS} steps within one {LONG_REPORT_PERIOD:g} s period"
     assert new_epoch_seen is not None, f"the new epoch was held back by the {LONG_REPORT_PERIOD:g} s period"
     assert shutdown_seconds < LONG_REPORT_PERIOD / 3, f"shutdown waited out the period ({shutdown_seconds:.1f} s)"
+
+
+def progress_record(epoch: int, samples: int, rate: float, published: float) -> ValueWithExpiration:
+    progress = LocalTrainingProgress(
+        peer_id=b"peer",
+        epoch=epoch,
+        samples_accumulated=samples,
+        samples_per_second=rate,
+        time=published,
+        client_mode=False,
+    )
+    return ValueWithExpiration(progress.dict(), published + 60)  # hivemind's default metadata_expiration
+
+
+def test_a_killed_peer_s_last_record_brings_the_swarm_s_next_step_no_closer():
+    """Two peers at epoch 5 of a 256-sample batch: one trains (64 samples, 32 samples/s, published 0.5 s ago), one was
+    SIGKILLed 30 s ago (96 samples, 64 samples/s), its record alive for 30 s more. hivemind adds the dead peer's
+    samples, extrapolates them over its silence and counts its rate: the step is due at once, with 80 real samples.
+    The fixed tracker leaves the dead peer's share out: 176 samples to go at 32 samples/s."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        plain = ProgressTracker(dht, "dead_peer", target_batch_size=256, start=False)
+        spaced = SpacedProgressTracker(dht, "dead_peer", target_batch_size=256, start=False)
+        now = get_dht_time()
+        records = {
+            b"live": progress_record(5, 64, 32.0, now - 0.5),
+            b"killed": progress_record(5, 96, 64.0, now - 30),
+        }
+        hivemind_view, fixed_view = (tracker._parse_swarm_progress_data(records) for tracker in (plain, spaced))
+    finally:
+        dht.shutdown()
+    assert (hivemind_view.samples_accumulated, hivemind_view.eta_next_epoch - now) == (160, pytest.approx(0, abs=0.1))
+    assert (fixed_view.epoch, fixed_view.num_peers, fixed_view.samples_accumulated) == (5, 2, 64)
+    # 64 published and 16 extrapolated over the live peer's 0.5 s: 176 to go
+    assert fixed_view.eta_next_epoch - now == pytest.approx(176 / 32, abs=0.1)
+    # a record renewed within the bound keeps its share: a live peer between two publications
+    stale_after = STALE_PROGRESS_PERIODS * PROGRESS_REPORT_PERIOD + STALE_PROGRESS_SLACK_S
+    records[b"killed"] = progress_record(5, 96, 64.0, now - stale_after + 1)
+    assert without_stale_contributions(records, now, stale_after) == records
+    malformed = {b"odd": ValueWithExpiration({"time": "yesterday"}, now + 60), b"none": ValueWithExpiration(None, now)}
+    assert without_stale_contributions(malformed, now, stale_after) == malformed
 
 
 # A stand-in for a trainer: a DHT (with its p2pd) and an averager in child processes, as hivemind.Optimizer starts
