@@ -163,6 +163,8 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         self.sender_starts.setdefault(context.remote_id, time.monotonic() - self.started)
+        if context.remote_id in self.sender_peer_ids:
+            self._note_senders_started(starting=context.remote_id)  # hivemind's handler adds it to active_senders
         replies = 0
         try:
             async for message in super().rpc_aggregate_part(stream, context):
@@ -226,9 +228,14 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
 
     async def _ban_sender(self, peer_id: PeerID):
         await super()._ban_sender(peer_id)
-        # hivemind's watcher of missing senders holds the round's end until every sender has started, or for the
-        # sender timeout: a banned sender never will
-        if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+        self._note_senders_started()
+
+    def _note_senders_started(self, starting: PeerID | None = None) -> None:
+        """hivemind's watcher of missing senders holds the round's end until every sender has started, or for the
+        sender timeout, and its handler checks only for all senders active: a banned sender never will be, so the
+        check runs at each ban and at each sender's start (``starting``), whichever comes last."""
+        starting_senders = {starting} if starting is not None else set()
+        if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders | starting_senders:
             self.all_senders_started.set()
 
     def _note_kept_local(self, peer_id: PeerID) -> bool:
