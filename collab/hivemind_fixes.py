@@ -624,6 +624,11 @@ STALE_PROGRESS_PERIODS = 3
 STALE_PROGRESS_SLACK_S = 5.0
 
 
+def stale_progress_after(progress_report_period: float) -> float:
+    """Seconds after which an unrenewed progress record adds no samples and no rate to the swarm's."""
+    return STALE_PROGRESS_PERIODS * progress_report_period + STALE_PROGRESS_SLACK_S
+
+
 def progress_key(run_id: str) -> str:
     """The DHT key of hivemind's ``ProgressTracker`` records (``{run_id}_progress``, one signed subkey per peer)."""
     return f"{run_id}_progress"
@@ -680,8 +685,7 @@ class SpacedProgressTracker(ProgressTracker):
         if isinstance(metadata, dict):
             now = get_dht_time()
             metadata = records_within_reach(metadata, now, self.dht.peer_id.to_bytes())
-            stale_after = STALE_PROGRESS_PERIODS * self.progress_report_period + STALE_PROGRESS_SLACK_S
-            metadata = without_stale_contributions(metadata, now, stale_after)
+            metadata = without_stale_contributions(metadata, now, stale_progress_after(self.progress_report_period))
         return super()._parse_swarm_progress_data(metadata)
 
 

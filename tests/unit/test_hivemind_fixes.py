@@ -30,12 +30,11 @@ from hivemind.utils.mpfuture import MPFuture
 from collab import hivemind_fixes
 from collab.hivemind_fixes import (
     PROGRESS_REPORT_PERIOD,
-    STALE_PROGRESS_PERIODS,
-    STALE_PROGRESS_SLACK_S,
     FixedDecentralizedAverager,
     SpacedProgressTracker,
     _original_switch_to_uvloop,
     run_leaving_no_task_pending,
+    stale_progress_after,
     switch_to_uvloop_keeping_tasks,
     without_stale_contributions,
 )
@@ -379,7 +378,8 @@ def test_a_killed_peer_s_last_record_brings_the_swarm_s_next_step_no_closer():
     # 64 published and 16 extrapolated over the live peer's 0.5 s: 176 to go
     assert fixed_view.eta_next_epoch - now == pytest.approx(176 / 32, abs=0.1)
     # a record renewed within the bound keeps its share: a live peer between two publications
-    stale_after = STALE_PROGRESS_PERIODS * PROGRESS_REPORT_PERIOD + STALE_PROGRESS_SLACK_S
+    stale_after = stale_progress_after(PROGRESS_REPORT_PERIOD)
+    assert stale_after == 11.0  # 3 periods of 2 s and 5 s of slack, as docs/RELIABILITY.md states
     records[b"killed"] = progress_record(5, 96, 64.0, now - stale_after + 1)
     assert without_stale_contributions(records, now, stale_after) == records
     malformed = {b"odd": ValueWithExpiration({"time": "yesterday"}, now + 60), b"none": ValueWithExpiration(None, now)}
