@@ -95,8 +95,8 @@ def progressing_peers(dht, prefix: str, now: float) -> set:
 def refresh(
     dht, prefix: str, state: MonitorState, sinks: list[Sink], saver: CheckpointSaver | None, step_lag: int
 ) -> None:
-    """One refresh: read the records, save a checkpoint when due (and evaluate it when that is due), then report a
-    new global step to every sink; an evaluation's ``eval_*`` keys ride on the first step reported after it."""
+    """One refresh: read the records, report a new global step to every sink, then save a checkpoint when due (and
+    evaluate it when that is due); an evaluation's ``eval_*`` keys ride on the first step reported after it."""
     now = get_dht_time()
     alive = with_live_progress(live_metrics(read_metrics(dht, prefix), now), progressing_peers(dht, prefix, now))
     metrics = summarize(alive, now, step_lag)
@@ -114,8 +114,6 @@ def refresh(
             metrics.step,
         )
         state.last_step = reachable
-    if saver is not None and saver.maybe_save(metrics.step, metrics.loss, metrics.alive_peers) is not None:
-        state.pending_evaluation.update(saver.evaluate())
     if is_new_step(metrics.step, state.last_step):
         state.last_step = metrics.step
         report = {
@@ -126,6 +124,13 @@ def refresh(
         write_all(sinks, report)
         events.emit("step_reported", **{key: value for key, value in report.items() if key not in EVENT_LEAVES_OUT})
         state.pending_evaluation.clear()
+    # after the report: a checkpoint's download and evaluation take minutes on a big state and a slow link, and the
+    # dashboard must not wait for them
+    if saver is not None and saver.maybe_save(metrics.step, metrics.loss, metrics.alive_peers) is not None:
+        evaluation = saver.evaluate()
+        if evaluation:
+            events.emit("checkpoint_evaluated", step=saver.last_saved_step, **evaluation)
+            state.pending_evaluation.update(evaluation)
 
 
 def build_checkpointing(dht, config: MonitorConfig):

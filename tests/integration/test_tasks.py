@@ -2,8 +2,8 @@
 
 clm trains on the sample corpus; seq-cls and qa on BoolQ- and SQuAD-style jsonl files that ``data.tasks`` builds
 from this Python's docstrings (mlm is test_collaboration.py's). For qa the monitor starts first, the peers join
-through it, and it evaluates its checkpoints: its metrics file must carry eval_* keys on checkpoint steps only.
-Each task's metric on held-out rows must beat the untrained model's (same seed, same rows).
+through it, and it evaluates its checkpoints: its metrics file must carry eval_* keys on the lines after its
+evaluations only. Each task's metric on held-out rows must beat the untrained model's (same seed, same rows).
 
 qa's run is make test's two-peer fine-tune. Those of clm and seq-cls (about 130 s on two cores) are scenarios
 (make scenarios); make test runs each of them as one peer from the command line for two steps, its saved model

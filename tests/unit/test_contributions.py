@@ -61,3 +61,42 @@ def test_each_new_step_writes_the_contributors_to_the_metrics_line_and_a_flat_ev
     reported = events.read_events(events_path, "step_reported")
     assert [record["step"] for record in reported] == [7, 8]
     assert all("contributors" not in record and record["alive_peers"] == 2 for record in reported)
+
+
+class RecordingSaver:
+    """Stands for monitor.checkpoints.CheckpointSaver, whose download takes minutes on a big state: it notes which
+    steps the metrics file held when each save began, and saves (and evaluates) at step 8 only."""
+
+    def __init__(self, path):
+        self.path, self.reported_when_saving, self.last_saved_step = path, [], None
+
+    def maybe_save(self, step, loss, peers):
+        self.reported_when_saving.append([json.loads(line)["step"] for line in self.path.read_text().splitlines()])
+        if step != 8:
+            return None
+        self.last_saved_step = step
+        return self.path.parent / str(step)
+
+    def evaluate(self):
+        return {"eval_loss": 3.25}
+
+
+def test_a_step_is_reported_before_its_checkpoint_is_saved_and_the_evaluation_rides_on_the_next(tmp_path):
+    path, events_path = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
+    events.open_event_log(events_path)
+    state, sink = MonitorState(), JsonLinesSink(path)
+    saver = RecordingSaver(path)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        for step in (7, 8, 9):
+            assert dht.store(metrics_key(PREFIX), contributed(step, 64 * step, step), get_dht_time() + 60, b"a")
+            refresh(dht, PREFIX, state, [sink], saver=saver, step_lag=2)
+    finally:
+        sink.close()
+        dht.shutdown()
+        events.open_event_log(None)
+    assert saver.reported_when_saving == [[7], [7, 8], [7, 8, 9]]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["step"], line.get("eval_loss")) for line in lines] == [(7, None), (8, None), (9, 3.25)]
+    evaluated = events.read_events(events_path, "checkpoint_evaluated")
+    assert [(event["step"], event["eval_loss"]) for event in evaluated] == [(8, 3.25)]
