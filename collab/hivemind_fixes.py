@@ -650,19 +650,26 @@ def record_epoch(entry: Any) -> int | None:
 
 
 def honest_progress_epoch(
-    records: Mapping[Any, Any], now: float, exclude_peer: bytes | None = None, step_lag: int = EPOCH_LEAD_LIMIT
+    records: Mapping[Any, Any],
+    now: float,
+    exclude_peer: bytes | None = None,
+    step_lag: int = EPOCH_LEAD_LIMIT,
+    stale_after: float | None = None,
 ) -> int | None:
     """The swarm's global epoch by the honest majority of the live progress records (``honest_step``), or None when
     there is no valid one. Malformed and expired records are ignored, and so is the record of ``exclude_peer`` (a
-    peer ID): a newcomer's own epoch 0 would otherwise hold a swarm of two at 0.
+    peer ID): a newcomer's own epoch 0 would otherwise hold a swarm of two at 0. With ``stale_after``, only records
+    published within that many seconds vote while any is: a killed peer's record stays at its last epoch for a
+    minute, and beside one live peer its lower median made that peer's record look too far ahead to count.
     """
-    epochs = []
+    votes = []  # (epoch, fresh)
     for entry in records.values():
         if not isinstance(entry, ValueWithExpiration) or not entry.expiration_time > now:
             continue
         epoch = record_epoch(entry)
         if epoch is not None and not (exclude_peer is not None and entry.value.get("peer_id") == exclude_peer):
-            epochs.append(epoch)
+            votes.append((epoch, stale_after is None or now - entry.value["time"] <= stale_after))
+    epochs = [epoch for epoch, fresh in votes if fresh] or [epoch for epoch, _ in votes]
     return honest_step(epochs, step_lag) if epochs else None
 
 
@@ -684,8 +691,9 @@ class SpacedProgressTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
             now = get_dht_time()
-            metadata = records_within_reach(metadata, now, self.dht.peer_id.to_bytes())
-            metadata = without_stale_contributions(metadata, now, stale_progress_after(self.progress_report_period))
+            stale_after = stale_progress_after(self.progress_report_period)
+            metadata = records_within_reach(metadata, now, self.dht.peer_id.to_bytes(), stale_after)
+            metadata = without_stale_contributions(metadata, now, stale_after)
         return super()._parse_swarm_progress_data(metadata)
 
 
@@ -705,11 +713,14 @@ def without_stale_contributions(records: Mapping[Any, Any], now: float, stale_af
     return kept
 
 
-def records_within_reach(records: Mapping[Any, Any], now: float, own_peer: bytes | None = None) -> dict:
-    """``records`` without those claiming an epoch more than ``EPOCH_LEAD_LIMIT`` past ``honest_progress_epoch``,
-    ``own_peer``'s kept: a peer knows its own epoch, and with one other peer that lags behind (a newcomer) the limit
-    would drop the veteran's own record and leave it counting no one but the newcomer."""
-    swarm_epoch = honest_progress_epoch(records, now, exclude_peer=own_peer)
+def records_within_reach(
+    records: Mapping[Any, Any], now: float, own_peer: bytes | None = None, stale_after: float | None = None
+) -> dict:
+    """``records`` without those claiming an epoch more than ``EPOCH_LEAD_LIMIT`` past ``honest_progress_epoch``
+    (fresh records voting, see there), ``own_peer``'s kept: a peer knows its own epoch, and with one other peer that
+    lags behind (a newcomer) the limit would drop the veteran's own record and leave it counting no one but the
+    newcomer."""
+    swarm_epoch = honest_progress_epoch(records, now, exclude_peer=own_peer, stale_after=stale_after)
     if swarm_epoch is None:
         return dict(records)
     return {

@@ -29,10 +29,13 @@ from hivemind.utils.mpfuture import MPFuture
 
 from collab import hivemind_fixes
 from collab.hivemind_fixes import (
+    EPOCH_LEAD_LIMIT,
     PROGRESS_REPORT_PERIOD,
     FixedDecentralizedAverager,
     SpacedProgressTracker,
     _original_switch_to_uvloop,
+    honest_progress_epoch,
+    records_within_reach,
     run_leaving_no_task_pending,
     stale_progress_after,
     switch_to_uvloop_keeping_tasks,
@@ -384,6 +387,37 @@ def test_a_killed_peer_s_last_record_brings_the_swarm_s_next_step_no_closer():
     assert without_stale_contributions(records, now, stale_after) == records
     malformed = {b"odd": ValueWithExpiration({"time": "yesterday"}, now + 60), b"none": ValueWithExpiration(None, now)}
     assert without_stale_contributions(malformed, now, stale_after) == malformed
+
+
+def test_a_killed_peer_s_old_epoch_does_not_outvote_the_one_live_peer_left():
+    """Three peers, one SIGKILLed at epoch 4 and the two others at epoch 10, each reading the records. Its own record
+    left out, a survivor's vote was the lower median of the dead record's 4 and the other survivor's 10: 4, so the
+    other survivor looked 6 epochs ahead (more than EPOCH_LEAD_LIMIT) and was dropped. Each survivor then counted
+    only its own samples and stepped on twice the batch. The fixed tracker lets the fresh records vote."""
+    assert 10 - 4 > EPOCH_LEAD_LIMIT
+    stale_after = stale_progress_after(PROGRESS_REPORT_PERIOD)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        me = dht.peer_id.to_bytes()
+        spaced = SpacedProgressTracker(dht, "two_survivors", target_batch_size=256, start=False)
+        now = get_dht_time()
+        mine = progress_record(10, 64, 32.0, now - 0.5)
+        records = {
+            me: ValueWithExpiration({**mine.value, "peer_id": me}, mine.expiration_time),
+            b"other": progress_record(10, 96, 32.0, now - 1.0),
+            b"killed": progress_record(4, 128, 32.0, now - 30),
+        }
+        assert set(records_within_reach(records, now, me)) == {me, b"killed"}  # hivemind_fixes before the fix
+        assert set(records_within_reach(records, now, me, stale_after)) == {me, b"other", b"killed"}
+        view = spaced._parse_swarm_progress_data(records)
+    finally:
+        dht.shutdown()
+    assert (view.epoch, view.num_peers, view.samples_accumulated) == (10, 3, 64 + 96)
+    # 160 published, 16 and 32 extrapolated over the survivors' 0.5 s and 1 s: 48 to go at 64 samples/s
+    assert view.eta_next_epoch - now == pytest.approx(48 / 64, abs=0.1)
+    # where no record is fresh, all of them vote, as before
+    silent = {b"other": progress_record(10, 96, 32.0, now - 30), b"killed": progress_record(4, 128, 32.0, now - 30)}
+    assert honest_progress_epoch(silent, now, stale_after=stale_after) == honest_progress_epoch(silent, now) == 4
 
 
 # A stand-in for a trainer: a DHT (with its p2pd) and an averager in child processes, as hivemind.Optimizer starts
