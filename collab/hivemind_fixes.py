@@ -629,6 +629,13 @@ def stale_progress_after(progress_report_period: float) -> float:
     return STALE_PROGRESS_PERIODS * progress_report_period + STALE_PROGRESS_SLACK_S
 
 
+def published_long_ago(value: Any, now: float, stale_after: float) -> bool:
+    """Whether a progress record's value was published more than ``stale_after`` seconds before ``now``; False for a
+    malformed value (hivemind's parsing judges it)."""
+    published = value.get("time") if isinstance(value, dict) else None
+    return isinstance(published, int | float) and not isinstance(published, bool) and now - published > stale_after
+
+
 def progress_key(run_id: str) -> str:
     """The DHT key of hivemind's ``ProgressTracker`` records (``{run_id}_progress``, one signed subkey per peer)."""
     return f"{run_id}_progress"
@@ -668,7 +675,7 @@ def honest_progress_epoch(
             continue
         epoch = record_epoch(entry)
         if epoch is not None and not (exclude_peer is not None and entry.value.get("peer_id") == exclude_peer):
-            votes.append((epoch, stale_after is None or now - entry.value["time"] <= stale_after))
+            votes.append((epoch, stale_after is None or not published_long_ago(entry.value, now, stale_after)))
     epochs = [epoch for epoch, fresh in votes if fresh] or [epoch for epoch, _ in votes]
     return honest_step(epochs, step_lag) if epochs else None
 
@@ -704,8 +711,7 @@ def without_stale_contributions(records: Mapping[Any, Any], now: float, stale_af
     kept = {}
     for key, entry in records.items():
         value = entry.value if isinstance(entry, ValueWithExpiration) else None
-        published = value.get("time") if isinstance(value, dict) else None
-        if isinstance(published, int | float) and not isinstance(published, bool) and now - published > stale_after:
+        if published_long_ago(value, now, stale_after):
             entry = ValueWithExpiration(
                 {**value, "samples_accumulated": 0, "samples_per_second": 0.0}, entry.expiration_time
             )
