@@ -32,16 +32,17 @@ data: $(STAMP)
 demo: setup
 	$(PY) -m trainer.demo
 
-# One process: unit tests that time real hivemind averagers (matchmaking, late groupmates) failed when a second
-# pytest process shared the two cores (pytest-xdist, -n 2), so every test runs alone. The slowest tests are listed
-# at the end: make test should take 15 minutes or less with its set-up. The scenarios that take minutes (peers in
-# network namespaces, a liar in a swarm, a drifted peer, fine-tunes until their metric moves) run in make scenarios;
-# each has a fast test here. So do the tests that show a bug of the pinned hivemind beside our workaround's test
-# (marked upstream): the pin keeps the bug as it is; run them again when it moves. Python packages and Chromium
-# install side by side (-j2): one waits on pip, the other on apt.
+# Lanes (tests/lanes.py): the unit tests that time real hivemind averagers (matchmaking, late groupmates) failed when
+# another such test shared the two cores (pytest-xdist, -n 2), so they run one at a time, with only the tests marked
+# light (no averager, no peer timed) beside them in a second process; then the integration tests run alone. The
+# slowest tests of each lane are listed: make test should take 15 minutes or less with its set-up. The scenarios
+# that take minutes (peers in network namespaces, a liar in a swarm, a drifted peer, fine-tunes until their metric
+# moves) run in make scenarios; each has a fast test here. So do the tests that show a bug of the pinned hivemind
+# beside our workaround's test (marked upstream): the pin keeps the bug as it is; run them again when it moves.
+# Python packages and Chromium install side by side (-j2): one waits on pip, the other on apt.
 test:
 	$(MAKE) --no-print-directory -j2 setup browser
-	$(PY) -m pytest -q -p no:cacheprovider -m "not scenario and not upstream" --durations=25
+	$(PY) -m tests.lanes
 
 # Those in network namespaces on shaped or cut links need root and `ip netns` (skipped with the reason otherwise).
 scenarios: setup

@@ -19,6 +19,8 @@ from monitor.aggregate import (
 )
 from tests.conftest import metrics_record
 
+pytestmark = pytest.mark.light
+
 NOW = 1000.0
 
 

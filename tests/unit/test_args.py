@@ -10,6 +10,8 @@ import pytest
 from arguments import TRAINER_ARGUMENTS, config_to_argv, parse_args, to_config
 from collab.errors import ConfigError
 
+pytestmark = pytest.mark.light
+
 ROOT = Path(__file__).resolve().parents[2]
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWGSiXnbyZEN46UhS1odotVQFtBHtxH5gfoJHwGhNiwYDd"
 

@@ -33,6 +33,8 @@ from bench.slow_peer import peer_counts
 from bench.training import against_plain, explain
 from collab.schema import parse_metrics
 
+pytestmark = pytest.mark.light
+
 
 def test_butterfly_bytes_follow_two_n_minus_one_over_n():
     assert allreduce_bytes_per_peer(1_000_000, 2) == 2_000_000  # 2·(1/2)·2P with fp16

@@ -11,6 +11,8 @@ import pytest
 from bench.cpu import HIVEMIND_PROCESSES, KINDS, P2PD, TRAINER_THREADS, TRAINING_LOOP, CpuSampler
 from trainer.local import wait_until
 
+pytestmark = pytest.mark.light
+
 # A stand-in for a trainer: its main thread burns 0.4 s of CPU, a forked child process (as hivemind's DHT and
 # averagers are) burns 0.3 s, then both wait until the test closes stdin.
 TREE = textwrap.dedent(

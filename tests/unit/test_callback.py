@@ -7,6 +7,8 @@ import torch
 
 from collab.callback import all_finite
 
+pytestmark = pytest.mark.light
+
 
 def model_like() -> list[torch.Tensor]:
     torch.manual_seed(0)

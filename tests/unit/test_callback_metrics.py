@@ -4,6 +4,7 @@ for that epoch; the next sound epoch is published. A real hivemind.Optimizer alo
 from __future__ import annotations
 
 import hivemind
+import pytest
 import torch
 from transformers import AutoModelForMaskedLM
 
@@ -13,6 +14,8 @@ from collab.callback import CollaborativeCallback
 from collab.optim import build_optimizer
 from collab.schema import make_validators, metrics_key
 from trainer.model import tiny_bert_config
+
+pytestmark = pytest.mark.light
 
 PREFIX = "diverged_metrics"
 SAMPLES = 4

@@ -29,6 +29,8 @@ from collab.checkpoint import _verify as verify_listed_files
 from collab.errors import CheckpointError
 from tests.conftest import optimizer_state
 
+pytestmark = pytest.mark.light
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

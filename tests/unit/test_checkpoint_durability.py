@@ -9,11 +9,15 @@ import shutil
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
 import collab.checkpoint
 from collab.checkpoint import Manifest, list_checkpoints, read_manifest, remove_partial_saves, write_checkpoint
 from monitor.upload import FolderTarget, HttpTarget, Uploader, write_archive
 from tests.conftest import optimizer_state
 from tests.http_server import QuietHandler, serving
+
+pytestmark = pytest.mark.light
 
 
 def test_folder_upload_removes_old_copies_only_after_the_new_one_is_on_disk(tmp_path, model, monkeypatch):

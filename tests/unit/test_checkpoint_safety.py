@@ -35,6 +35,8 @@ from tests.conftest import optimizer_state
 from trainer.model import tiny_bert_config
 from trainer.predict import main as predict_main
 
+pytestmark = pytest.mark.light
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,6 +12,8 @@ from arguments import MAX_CONFIG_BYTES, load_config
 from collab.errors import ConfigError
 from tests.http_server import QuietHandler, serving
 
+pytestmark = pytest.mark.light
+
 SMALL = {"target_batch_size": 128}
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 
 import hivemind
+import pytest
 from hivemind.utils import get_dht_time
 
 from collab import events
@@ -13,6 +14,8 @@ from collab.schema import metrics_key
 from monitor.run import MonitorState, refresh
 from monitor.sinks import JsonLinesSink
 from tests.conftest import metrics_record
+
+pytestmark = pytest.mark.light
 
 PREFIX = "contributions_test"
 

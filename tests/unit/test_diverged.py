@@ -12,6 +12,8 @@ from collab import events
 from collab.errors import ConfigError
 from tests.alone_peer import STEPS, alone_training, train_alone
 
+pytestmark = pytest.mark.light
+
 LIMIT = 3
 
 

@@ -7,7 +7,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from collab import errors
+
+pytestmark = pytest.mark.light
 
 ROOT = Path(__file__).resolve().parents[2]
 

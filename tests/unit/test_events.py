@@ -12,6 +12,8 @@ from collab import events
 from collab.errors import UserError
 from collab.events import MAX_LINE_BYTES, MAX_LIST_ITEMS, MAX_STRING_CHARS, EventLog, read_events
 
+pytestmark = pytest.mark.light
+
 
 def test_events_are_json_lines_with_time_and_name_first(tmp_path):
     log = EventLog(tmp_path / "events.jsonl")

@@ -14,6 +14,8 @@ from collab.errors import MissingExtraError, SetupError
 from collab.extras import EXTRA_MODULES, require_extra
 from monitor.sinks import build_sinks
 
+pytestmark = pytest.mark.light
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -11,6 +11,8 @@ from collab.checkpoint import read_manifest, write_checkpoint
 from tests.conftest import optimizer_state
 from tests.faults import parse_faults, pause_checkpoint_writes, split_faults_flag
 
+pytestmark = pytest.mark.light
+
 
 def test_spec_is_parsed_and_each_fault_fires_once():
     faults = parse_faults("nan_loss@3, nan_parameters@5,drift_parameters@4,pause_checkpoint_write@2=2.5")

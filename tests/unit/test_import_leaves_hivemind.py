@@ -13,6 +13,8 @@ import pytest
 from collab.errors import HivemindVersionError
 from collab.hivemind_fixes import ENTRY_POINT_PATCHES, check_hivemind_version
 
+pytestmark = pytest.mark.light
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("collab", "trainer", "monitor", "web", "data", "bench")
 TOP_LEVEL_MODULES = ("arguments", "run_trainer", "run_training_monitor", "run_web")

@@ -6,6 +6,8 @@ import pytest
 
 from bench.join import first_own_round, loads_until_loaded, main
 
+pytestmark = pytest.mark.light
+
 
 @pytest.mark.parametrize("flags", [["--mbit", "0"], ["--layers", "49"], ["--minutes", "0.5"]])
 def test_a_flag_out_of_bounds_stops_the_run_before_anything_starts(flags, capsys, tmp_path):

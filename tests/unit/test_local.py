@@ -9,6 +9,8 @@ import pytest
 
 from trainer.local import ROOT, LocalProcess, tracebacks_from_our_code, wait_until
 
+pytestmark = pytest.mark.light
+
 OURS = f'  File "{ROOT}/collab/averagers.py", line 190, in _run_allreduce_inplace_\n    async for x in runner:\n'
 HIVEMIND = f'  File "{ROOT}/.venv/lib/python3.11/site-packages/hivemind/averaging/averager.py", line 530, in _step\n'
 HEAD = "Traceback (most recent call last):\n"

@@ -7,6 +7,8 @@ import pytest
 from arguments import TRAINER_ARGUMENTS, TrainingArguments, parse_args, parse_args_or_exit
 from tests.http_server import QuietHandler, serving
 
+pytestmark = pytest.mark.light
+
 CONFIGS = {
     "/hostile": {"target_batch_size": 64, "output_dir": "/home"},
     "/events": {"target_batch_size": 64, "events_path": "/root/.bashrc"},

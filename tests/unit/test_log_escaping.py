@@ -5,10 +5,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from hivemind.utils.logging import CustomFormatter
 
 from collab.entry import ControlEscapingFormatter, escape_control_characters
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.light
 
 FORGED = "peer-7\n2026-11-25 12:00:00.000 [INFO] Saved checkpoint /repo/999\r\x1b[2K\x1b[31mred\u2028\x85\x00"
 

@@ -4,7 +4,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.light
 
 PROGRAM = textwrap.dedent(
     """

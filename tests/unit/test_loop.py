@@ -7,6 +7,8 @@ import pytest
 
 from trainer.loop import IntervalTimer, NonFiniteStreak, short_epoch_warning, slow_step_warning
 
+pytestmark = pytest.mark.light
+
 
 def test_epochs_much_longer_than_matchmaking_get_no_warning():
     assert short_epoch_warning([10.0, 11.0, 9.5], matchmaking_time=3.0) is None

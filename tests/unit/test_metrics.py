@@ -4,6 +4,8 @@ import pytest
 
 from trainer.metrics import accuracy, exact_match, f1_score, normalize_answer, squad_scores
 
+pytestmark = pytest.mark.light
+
 
 def test_accuracy():
     assert accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5

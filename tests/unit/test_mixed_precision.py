@@ -16,6 +16,8 @@ from collab.errors import ConfigError
 from tests.alone_peer import STEPS, Weights, train_alone
 from trainer.loop import TrainingSummary, autocast_dtype
 
+pytestmark = pytest.mark.light
+
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 FP32_ONLY = TrainingArguments(fp16=False)
 BF16 = TrainingArguments(fp16=False, bf16=True)

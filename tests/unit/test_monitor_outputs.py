@@ -21,6 +21,8 @@ from monitor.upload import FolderTarget, HttpTarget, Uploader, backoff_delays, m
 from trainer.local import wait_until
 from trainer.model import tiny_bert_config
 
+pytestmark = pytest.mark.light
+
 CONTRIBUTOR = {"peer": "0123456789ab", "name": "volunteer", "samples": 256, "rounds": 3, "seconds_online": 20.0}
 STEP = {
     "step": 3,

@@ -11,6 +11,8 @@ import pytest
 
 from data.prepare import build, iter_stdlib_docstrings, main, split_train_validation
 
+pytestmark = pytest.mark.light
+
 REPO = Path(__file__).resolve().parents[2]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VOCAB, SEQ, FRACTION = 200, 32, 0.1

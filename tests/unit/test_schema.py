@@ -22,6 +22,8 @@ from collab.schema import (
     peer_fingerprint,
 )
 
+pytestmark = pytest.mark.light
+
 GOOD = {"step": 3, "samples_per_second": 12.5, "samples_accumulated": 128, "loss": 24.2, "mini_steps": 8}
 
 

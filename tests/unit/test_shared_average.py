@@ -3,12 +3,15 @@ Real rounds: tests/unit/test_compression.py (the wire averagers) and tests/unit/
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2
 
 from collab.compression import DENSE_BELOW_VALUES, Blockwise8BitWire, EightBitWire, SparseFloat16Wire
 from collab.shared_average import reply_as_difference, shared_form
+
+pytestmark = pytest.mark.light
 
 
 def test_a_reducer_keeps_what_its_groupmates_decode_from_its_reply():

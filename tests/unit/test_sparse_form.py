@@ -8,6 +8,8 @@ import pytest
 from collab import sparse_form
 from collab.sparse_form import MalformedPart
 
+pytestmark = pytest.mark.light
+
 
 def round_trip(values: np.ndarray) -> np.ndarray:
     positions, kept = sparse_form.decode(sparse_form.encode(values), values.size)

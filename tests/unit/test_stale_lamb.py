@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.stale_lamb import measure, summarize
+
+pytestmark = pytest.mark.light
 
 
 def test_a_newcomer_with_the_veterans_own_lamb_state_steps_exactly_as_the_veteran():

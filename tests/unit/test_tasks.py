@@ -17,6 +17,8 @@ from trainer.predict import main as predict_main
 from trainer.qa import answer_token_span, best_span
 from trainer.tasks import TASKS
 
+pytestmark = pytest.mark.light
+
 EVAL_KEYS = {"eval_loss", "eval_perplexity", "eval_accuracy", "eval_exact_match", "eval_f1"}
 CONTEXT = " ".join(f"word{i}" for i in range(60)) + " the answer is pickle here " + " ".join(f"w{i}" for i in range(9))
 ANSWER_START = CONTEXT.index("pickle")

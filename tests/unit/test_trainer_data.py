@@ -10,6 +10,8 @@ from collab.errors import SetupError
 from trainer.data import batch_stream, load_train_split, make_collator, peer_data_seed
 from trainer.model import language_modeling_task, load_tokenizer
 
+pytestmark = pytest.mark.light
+
 
 def test_each_peer_has_its_own_reproducible_order():
     assert peer_data_seed(42, b"peer-a") == peer_data_seed(42, b"peer-a")

@@ -35,6 +35,8 @@ from bench.wan import (
     window_figures,
 )
 
+pytestmark = pytest.mark.light
+
 
 def test_setting_ratio_is_round_time_over_compute_time():
     # 3 peers: 2·(2/3)·110M·2 bytes = 293.3 MB at 12.5 MB/s = 23.47 s; 6·110M·174762 tokens at 60 TFLOP/s = 1.922 s

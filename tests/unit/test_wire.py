@@ -3,7 +3,11 @@
 import json
 import math
 
+import pytest
+
 from collab.wire import bearer_header, json_safe
+
+pytestmark = pytest.mark.light
 
 
 def test_bearer_header_only_with_a_token():

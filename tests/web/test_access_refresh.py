@@ -13,6 +13,8 @@ import requests
 from collab.access import WebAppAuthorizer, next_retry_delay, within_time_left
 from tests.web.live import running_web_server
 
+pytestmark = pytest.mark.light
+
 ADMIN_TOKEN = "refresh-admin-token"
 LIFETIME = 16  # seconds: the token is due for a refresh after 4; failed refreshes retry after 1 s, then 2 s
 

@@ -17,6 +17,8 @@ from tests.web.helpers import ADMIN, ADMIN_TOKEN, bearer
 from web.app import create_app
 from web.settings import WebSettings
 
+pytestmark = pytest.mark.light
+
 NO_ADMIN = {"detail": "admin token required: send Authorization: Bearer <admin token>"}
 WRONG_ADMIN = {"detail": "wrong admin token"}
 

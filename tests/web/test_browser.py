@@ -15,7 +15,7 @@ import requests
 
 from tests.web.live import WebServer, running_web_server
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.light]
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCRIPT_NAME = "<script>alert(1)</script>"  # a volunteer's --public_name: shown as text, never run

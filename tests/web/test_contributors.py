@@ -7,6 +7,8 @@ import pytest
 from collab.schema import MAX_CONTRIBUTED_SAMPLES, MAX_STEP
 from tests.web.helpers import bearer
 
+pytestmark = pytest.mark.light
+
 SCRIPT_NAME = "<script>alert(1)</script>"
 
 

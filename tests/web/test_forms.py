@@ -22,6 +22,8 @@ from tests.web.helpers import default_form
 from web.forms import config_from_form, display_values, form_sections, validated_config, widget_kind
 from web.pages import join_commands
 
+pytestmark = pytest.mark.light
+
 SECTIONS = form_sections()
 FIELDS = {f.name: f for section in SECTIONS for f in section.fields}
 

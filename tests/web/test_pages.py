@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from arguments import OptimizerArguments
 from tests.web.helpers import ADMIN, ADMIN_TOKEN, default_form
+
+pytestmark = pytest.mark.light
 
 
 def sign_in(client) -> None:

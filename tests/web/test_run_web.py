@@ -10,6 +10,8 @@ import run_web
 from collab.errors import SettingsError
 from web.settings import parse_web_args
 
+pytestmark = pytest.mark.light
+
 
 def test_refuses_to_start_without_an_admin_token(monkeypatch, capsys):
     monkeypatch.delenv("COLLAB_ADMIN_TOKEN", raising=False)

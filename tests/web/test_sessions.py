@@ -10,6 +10,8 @@ import requests
 
 from tests.web.live import running_web_server
 
+pytestmark = pytest.mark.light
+
 ADMIN_TOKEN = "sessions-admin-token"
 CROSS_ORIGIN = "cross-origin request refused: send it from this app's own pages, or use Authorization: Bearer"
 

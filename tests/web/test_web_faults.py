@@ -13,6 +13,8 @@ import requests
 
 from tests.web.live import WebServer, wait_until
 
+pytestmark = pytest.mark.light
+
 ADMIN = "faults-admin-token"
 POSTS = 400  # bounded load: this many metric posts at most, from two threads, within LOAD_SECONDS
 LOAD_SECONDS = 60
