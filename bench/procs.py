@@ -162,6 +162,35 @@ def link_bytes(ip_json: str) -> dict[str, int]:
     return {"tx_bytes": int(stats["tx"]["bytes"]), "rx_bytes": int(stats["rx"]["bytes"])}
 
 
+# The kernel's TCP counters a window reports per peer: a connection that stalls on a shaped link shows as
+# retransmission timeouts, and one torn down mid-round (a stream that ends parts short) as resets.
+TCP_COUNTERS = {
+    ("Tcp", "RetransSegs"): "retransmitted_segments",
+    ("Tcp", "EstabResets"): "established_resets",
+    ("TcpExt", "TCPTimeouts"): "retransmission_timeouts",
+}
+
+
+def tcp_counters(proc_net_text: str) -> dict[str, int]:
+    """TCP_COUNTERS from a namespace's ``/proc/net/snmp`` and ``/proc/net/netstat`` (concatenated): each table is a
+    line of names and a line of values, both after the same ``Table:`` label."""
+    tables: dict[str, list[str]] = {}
+    found: dict[str, int] = {}
+    for line in proc_net_text.splitlines():
+        label, _, fields = line.partition(":")
+        if label not in tables:
+            tables[label] = fields.split()
+            continue
+        values = dict(zip(tables.pop(label), map(int, fields.split()), strict=True))
+        for (table, name), key in TCP_COUNTERS.items():
+            if table == label and name in values:
+                found[key] = values[name]
+    missing = sorted(set(TCP_COUNTERS.values()) - set(found))
+    if missing:
+        raise ValueError(f"no {', '.join(missing)} in the kernel's TCP counters")
+    return found
+
+
 class HubNetwork:
     """Peers in their own namespaces, each joined by a shaped veth pair to a bridge in a hub namespace."""
 
@@ -185,6 +214,13 @@ class HubNetwork:
         """Each peer's link counters as its kernel keeps them: tx_bytes is what the peer sent, rx_bytes received."""
         return [
             link_bytes(_ip_output("-n", peer.netns, "-j", "-s", "link", "show", "dev", peer.device))
+            for peer in self.peers
+        ]
+
+    def tcp_counters(self) -> list[dict[str, int]]:
+        """Each peer's namespace's TCP counters (``tcp_counters``): every connection of that peer, its DHT's too."""
+        return [
+            tcp_counters(_ip_output("netns", "exec", peer.netns, "cat", "/proc/net/snmp", "/proc/net/netstat"))
             for peer in self.peers
         ]
 

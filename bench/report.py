@@ -278,6 +278,12 @@ def _parameter_rounds_per_peer(run: dict) -> str:
     return " / ".join(_f(count) for count in run.get("parameter_rounds") or [])
 
 
+def _tcp_stalls_per_peer(run: dict) -> str:
+    """Each peer's retransmission timeouts (connections reset) in the window; empty for a run measured before."""
+    counts = run.get("tcp") or []
+    return " / ".join(f"{c['retransmission_timeouts']} ({c['established_resets']})" for c in counts)
+
+
 def _with_its_alone_run(name: str, rate: float, run: dict) -> list[list]:
     """A low-communication run's row, between the rows of the same peers alone in that mode before and after it
     (its efficiency's base: the shadow way has the one before only)."""
@@ -335,6 +341,7 @@ def wan_section(wan: dict) -> str:
             run["window_s"],
             _rounds_per_peer(run),
             _parameter_rounds_per_peer(run),
+            _tcp_stalls_per_peer(run),
         ]
         for name, rate, run in modes
     ]
@@ -358,6 +365,7 @@ def wan_section(wan: dict) -> str:
                 "window (s)",
                 "gradient rounds averaged (given up), per peer",
                 "parameter rounds, per peer",
+                "TCP retransmission timeouts (resets), per peer",
             ],
             rows,
         ),
@@ -445,6 +453,8 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   real `run_trainer.py` peers on links slowed so that a synchronous round's time over an epoch's compute equals that of
   the setting named above the table; *shadow compute* (`bench/shadow.py`) runs the real optimizer path on
   GPT-2-shaped gradients with a calibrated wait for forward and backward (utilisation and traffic only, never loss).
+  TCP retransmission timeouts and resets are the kernel's counters of each peer's namespace over the window
+  (`bench.procs.tcp_counters`): a connection stalled on its shaped link, or torn down under a round.
   Rounds averaged and given up are the peers' `averaged` and `round_given_up` events; a window that holds none of
   the low-communication mode's rare parameter rounds reads a little fast. The loss ratio's low-communication side is
   the rate-scaled run of its variant (whole outer rounds, each peer stopping at the last one's end, `--max_steps`;

@@ -369,14 +369,14 @@ def run_swarm(
             # the window holds the rounds between every peer's first and the first peer's last: no start-up, no
             # shutdown, the links busy as in the throughput runs
             wait_for(lambda: min(s[-1][2] for s in records()) >= 1, timeout, f"{name}: a round", 1, started)
-        counters, start = network.counters(), time.time()
+        counters, tcp, start = network.counters(), network.tcp_counters(), time.time()
         if stop_at_epoch:
 
             def finished() -> bool:
                 return max(s[-1][2] for s in records()) >= stop_at_epoch or not any(c.running() for c in started)
 
             wait_for(finished, timeout, f"{name}: epoch {stop_at_epoch}", 1, started)
-            end, counters_end = time.time(), network.counters()
+            end, counters_end, tcp_end = time.time(), network.counters(), network.tcp_counters()
             # stopped together by a signal, peers waiting on each other's last rounds ran past their shutdown deadline
             codes = [child.wait() for child in started]
         else:
@@ -388,7 +388,7 @@ def run_swarm(
                 return window_closed(time.time() - start, seconds, whole)
 
             wait_for(closed, MAX_WINDOW_S + 60, f"{name}: the window", 1, started)
-            end, counters_end = time.time(), network.counters()
+            end, counters_end, tcp_end = time.time(), network.counters(), network.tcp_counters()
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:  # all at once: none trains on meanwhile
                 codes = list(pool.map(lambda child: child.terminate(), started))
     window = window_figures(records(), start, end)
@@ -403,6 +403,7 @@ def run_swarm(
         "epochs": window.epochs,
         "busy_fraction": median([busy for busy in window.busy if busy is not None]),
         "link_bytes": traffic,
+        "tcp": [{key: after[key] - before[key] for key in after} for before, after in zip(tcp, tcp_end, strict=True)],
         "samples": [sum(s[1] for s in peer) for peer in records()],
         # a round given up lets a peer go on with its own gradients: a swarm that averages rarely looks fast
         "averaging_rounds": [round_counts(path, start, end, "averaged") for path in events],

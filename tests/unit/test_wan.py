@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.formulas import MBIT
-from bench.procs import Child, children, hub_network, link_bytes
+from bench.procs import Child, children, hub_network, link_bytes, tcp_counters
 from bench.shadow import gpt2_shapes, shadow_numel
 from bench.wan import (
     MAX_WINDOW_S,
@@ -110,6 +110,31 @@ def test_link_bytes_reads_the_kernel_counters():
     assert link_bytes(text) == {"tx_bytes": 34, "rx_bytes": 12}
 
 
+# The kernel's layout (Linux 6.x, columns left out): a line of names, then one of values, per table; netstat's follow.
+PROC_NET = """Ip: Forwarding DefaultTTL InReceives
+Ip: 1 64 900
+Tcp: RtoAlgorithm MaxConn ActiveOpens EstabResets CurrEstab InSegs OutSegs RetransSegs OutRsts
+Tcp: 1 -1 5 2 3 700 650 17 1
+Udp: InDatagrams NoPorts
+Udp: 4 0
+TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes
+TcpExt: 0 6 9
+IpExt: InNoRoutes InOctets
+IpExt: 0 81000
+"""
+
+
+def test_tcp_counters_reads_each_table_by_its_names_and_refuses_a_table_without_them():
+    assert tcp_counters(PROC_NET) == {
+        "retransmitted_segments": 17,
+        "established_resets": 2,
+        "retransmission_timeouts": 6,
+    }
+    without_netstat = PROC_NET.split("TcpExt:")[0]
+    with pytest.raises(ValueError, match="retransmission_timeouts"):
+        tcp_counters(without_netstat)
+
+
 RATE_MBIT = 2.0
 PAYLOAD_MB = 0.25
 
@@ -120,6 +145,7 @@ def test_hub_shapes_and_counts_a_transfer(tmp_path):
     with hub_network(2, RATE_MBIT, RATE_MBIT, prefix="wantest", subnet="10.79.0") as network:
         server, client = network.peers
         before = network.counters()
+        tcp_before = network.tcp_counters()
         with children() as started:
             for role, peer in (("serve", server), ("send", client)):
                 args = [role, server.address, 5999, PAYLOAD_MB]
@@ -127,6 +153,7 @@ def test_hub_shapes_and_counts_a_transfer(tmp_path):
             assert [child.wait() for child in started] == [0, 0], started[1].log()
             results = [child.log().split()[-2:] for child in started]
         after = network.counters()
+        tcp_after = network.tcp_counters()
         names = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
         assert {"wantest_hub", "wantest_0", "wantest_1"} <= names
         for peer in network.peers:  # the only route is the hub's subnet: a peer reaches no other host
@@ -140,6 +167,10 @@ def test_hub_shapes_and_counts_a_transfer(tmp_path):
     for start, end in zip(before, after, strict=True):
         assert end["tx_bytes"] - start["tx_bytes"] >= payload
         assert end["rx_bytes"] - start["rx_bytes"] >= payload
+    # each namespace's own TCP counters, not this machine's: nothing had connected there before the transfer
+    assert all(set(counts.values()) == {0} for counts in tcp_before), tcp_before
+    # both ends read all they expect before they close: the connection ends without a reset
+    assert [counts["established_resets"] for counts in tcp_after] == [0, 0], tcp_after
     names = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert not names & {"wantest_hub", "wantest_0", "wantest_1"}
 
@@ -244,18 +275,22 @@ def test_report_shows_each_low_communication_run_between_its_own_alone_runs():
 
     run = _run(90.0, efficiency=0.9, busy_fraction=0.97, bits_per_param_per_step=0.08, alone=_run(100.0))
     run |= {"averaging_rounds": [2, 2], "rounds_given_up": [0, 1], "parameter_rounds": [1, 0]}
+    run["tcp"] = [
+        {"retransmitted_segments": 40, "established_resets": 0, "retransmission_timeouts": 3},
+        {"retransmitted_segments": 2, "established_resets": 1, "retransmission_timeouts": 0},
+    ]
     run["alone_after"] = _run(104.0)
     lines = wan_section(wan_figures({"H 50, 8bit": run})).splitlines()
     alone = lines.index(
-        "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | n/a | 60.00 |  |  |"
+        "| alone, low-communication H 50, 8bit (rate scaling) | no link | 100.00 | n/a | n/a | n/a | 60.00 |  |  |  |"
     )
     assert lines[alone + 1] == (
         "| low-communication H 50, 8bit (rate scaling) | 0.634 | 90.00 | 0.90 | 0.97 | 0.0800 | 60.00 | 2 (0) / 2 (1) "
-        "| 1 / 0 |"
+        "| 1 / 0 | 3 (0) / 0 (1) |"
     )
     assert lines[alone + 2] == (
         "| alone after, low-communication H 50, 8bit (rate scaling) | no link | 104.00 | n/a | n/a | n/a | 60.00 "
-        "|  |  |"
+        "|  |  |  |"
     )
 
 
