@@ -165,6 +165,7 @@ def link_bytes(ip_json: str) -> dict[str, int]:
 # The kernel's TCP counters a window reports per peer: a connection that stalls on a shaped link shows as
 # retransmission timeouts, and one torn down mid-round (a stream that ends parts short) as resets.
 TCP_COUNTERS = {
+    ("Tcp", "OutSegs"): "sent_segments",
     ("Tcp", "RetransSegs"): "retransmitted_segments",
     ("Tcp", "EstabResets"): "established_resets",
     ("TcpExt", "TCPTimeouts"): "retransmission_timeouts",

@@ -126,6 +126,7 @@ IpExt: 0 81000
 
 def test_tcp_counters_reads_each_table_by_its_names_and_refuses_a_table_without_them():
     assert tcp_counters(PROC_NET) == {
+        "sent_segments": 650,
         "retransmitted_segments": 17,
         "established_resets": 2,
         "retransmission_timeouts": 6,
@@ -276,8 +277,8 @@ def test_report_shows_each_low_communication_run_between_its_own_alone_runs():
     run = _run(90.0, efficiency=0.9, busy_fraction=0.97, bits_per_param_per_step=0.08, alone=_run(100.0))
     run |= {"averaging_rounds": [2, 2], "rounds_given_up": [0, 1], "parameter_rounds": [1, 0]}
     run["tcp"] = [
-        {"retransmitted_segments": 40, "established_resets": 0, "retransmission_timeouts": 3},
-        {"retransmitted_segments": 2, "established_resets": 1, "retransmission_timeouts": 0},
+        {"sent_segments": 900, "retransmitted_segments": 40, "established_resets": 0, "retransmission_timeouts": 3},
+        {"sent_segments": 800, "retransmitted_segments": 2, "established_resets": 1, "retransmission_timeouts": 0},
     ]
     run["alone_after"] = _run(104.0)
     lines = wan_section(wan_figures({"H 50, 8bit": run})).splitlines()
