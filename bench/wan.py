@@ -369,14 +369,19 @@ def run_swarm(
             # the window holds the rounds between every peer's first and the first peer's last: no start-up, no
             # shutdown, the links busy as in the throughput runs
             wait_for(lambda: min(s[-1][2] for s in records()) >= 1, timeout, f"{name}: a round", 1, started)
-        counters, tcp, start = network.counters(), network.tcp_counters(), time.time()
+
+        def kernel_counters() -> tuple[float, list[dict[str, int]], list[dict[str, int]]]:
+            """The time, then each peer's link bytes and TCP counters: read together at each end of the window."""
+            return time.time(), network.counters(), network.tcp_counters()
+
+        start, counters, tcp = kernel_counters()
         if stop_at_epoch:
 
             def finished() -> bool:
                 return max(s[-1][2] for s in records()) >= stop_at_epoch or not any(c.running() for c in started)
 
             wait_for(finished, timeout, f"{name}: epoch {stop_at_epoch}", 1, started)
-            end, counters_end, tcp_end = time.time(), network.counters(), network.tcp_counters()
+            end, counters_end, tcp_end = kernel_counters()
             # stopped together by a signal, peers waiting on each other's last rounds ran past their shutdown deadline
             codes = [child.wait() for child in started]
         else:
@@ -388,7 +393,7 @@ def run_swarm(
                 return window_closed(time.time() - start, seconds, whole)
 
             wait_for(closed, MAX_WINDOW_S + 60, f"{name}: the window", 1, started)
-            end, counters_end, tcp_end = time.time(), network.counters(), network.tcp_counters()
+            end, counters_end, tcp_end = kernel_counters()
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:  # all at once: none trains on meanwhile
                 codes = list(pool.map(lambda child: child.terminate(), started))
     window = window_figures(records(), start, end)
