@@ -225,6 +225,15 @@ class HubNetwork:
             for peer in self.peers
         ]
 
+    def congestion_control(self) -> str:
+        """The TCP congestion control of the peers' namespaces: a new namespace takes the host's default, and one
+        not in the host's ``tcp_allowed_congestion_control`` cannot be chosen inside it, so the figures name it."""
+        found = {
+            _ip_output("netns", "exec", peer.netns, "sysctl", "-n", "net.ipv4.tcp_congestion_control").strip()
+            for peer in self.peers
+        }
+        return ", ".join(sorted(found))
+
 
 def _ip_output(*args: str) -> str:
     return subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20, text=True).stdout

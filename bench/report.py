@@ -353,7 +353,8 @@ def wan_section(wan: dict) -> str:
         f"{_f(scaled['epoch_compute_s'])} s of compute per epoch on this machine (the alone run), so each link is "
         f"shaped to {_f(scaled['rate_mbit'], 3)} Mbit/s each way. *Shadow compute*: GPT-2-shaped gradients "
         f"({shadow['params']:,} parameters), {_f(shadow['micro_batch_s'], 3)} s per micro-batch of 16, links at "
-        f"{_f(shadow['rate_mbit'], 1)} Mbit/s. No added delay or loss (this kernel has no sch_netem).",
+        f"{_f(shadow['rate_mbit'], 1)} Mbit/s. No added delay or loss (this kernel has no sch_netem)."
+        + _congestion_control(scaled, shadow),
         table(
             [
                 "mode (way of emulating)",
@@ -461,6 +462,12 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
   its window runs from every peer's first round to the first peer's last); its synchronous side is the synchronous
   mode's updates over as many samples, computed by one process (`bench.plain reference`).
 """
+
+
+def _congestion_control(*ways: dict) -> str:
+    """The TCP congestion control the ways' namespaces ran (the host's default), where the figures recorded it."""
+    found = sorted({way["congestion_control"] for way in ways if way.get("congestion_control")})
+    return f" TCP congestion control in the namespaces: {', '.join(found)}." if found else ""
 
 
 def render(header: dict, figures: dict, summary: str) -> str:

@@ -498,8 +498,10 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with
         if not available:
             for variant in lowcomm:
                 progress(f"wan: {variant}")
+        congestion_control = network.congestion_control()
     return {
         "params": params,
+        "congestion_control": congestion_control,
         "epoch_compute_s": epoch_compute_s,
         "comm_to_compute": comm_to_compute(SETTING),
         "rate_mbit": rate,
@@ -656,8 +658,10 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 rate_mbit=SETTING.link_mbit,
             )
             progress(f"wan: shadow {mode}")
+        congestion_control = network.congestion_control()
     return {
         "params": numel,
+        "congestion_control": congestion_control,
         "micro_batch_s": micro_s,
         "rate_mbit": SETTING.link_mbit,
         "local_steps": SHADOW_LOCAL_STEPS,

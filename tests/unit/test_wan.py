@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,6 +158,9 @@ def test_hub_shapes_and_counts_a_transfer(tmp_path):
         tcp_after = network.tcp_counters()
         names = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
         assert {"wantest_hub", "wantest_0", "wantest_1"} <= names
+        # a namespace starts with the host's default algorithm, which the figures name
+        host = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        assert network.congestion_control() == host
         for peer in network.peers:  # the only route is the hub's subnet: a peer reaches no other host
             routes = subprocess.run(["ip", "-n", peer.netns, "route"], capture_output=True, text=True).stdout
             assert [line.split()[0] for line in routes.splitlines()] == ["10.79.0.0/24"]
@@ -268,7 +272,19 @@ def test_report_marks_variants_not_available_and_names_each_way():
     assert "Not available in this run" in text and "H 50, 8bit" in text
     assert "| synchronous (rate scaling) | 0.634 | 20.00 | 0.20 | n/a | 40.0000 | 60.00 | 5 (1) / 6 (0) |" in text
     assert "| synchronous (shadow compute) | 100.000 |" in text
+    assert "congestion control" not in text  # figures from before it was recorded name none
     assert wan_section({"skipped": "network namespaces unavailable"}).startswith("Not measured")
+
+
+def test_report_names_the_tcp_congestion_control_the_namespaces_ran():
+    from bench.report import wan_section
+
+    figures = wan_figures({"H 50, 8bit": None})
+    figures["rate_scaled"]["congestion_control"] = "bbr"
+    figures["shadow"]["congestion_control"] = "cubic"
+    assert (
+        "No added delay or loss (this kernel has no sch_netem). TCP congestion control in the namespaces: bbr, cubic."
+    ) in wan_section(figures)
 
 
 def test_report_shows_each_low_communication_run_between_its_own_alone_runs():
