@@ -155,6 +155,15 @@ class WanPeer:
     address: str
     device: str
 
+    def listen_maddr(self, transport: str = "tcp") -> str:
+        """The multiaddr a peer here listens on over ``transport`` (a key of TRANSPORTS), on any free port."""
+        return TRANSPORTS[transport].format(address=self.address)
+
+
+# What peers may listen on. QUIC runs over UDP with its own congestion control and stream framing, so the kernel's
+# TCP counters do not see it.
+TRANSPORTS = {"tcp": "/ip4/{address}/tcp/0", "quic": "/ip4/{address}/udp/0/quic-v1"}
+
 
 def link_bytes(ip_json: str) -> dict[str, int]:
     """``{"tx_bytes", "rx_bytes"}`` from ``ip -j -s link show dev DEV``: the kernel's own count of the link's bytes."""

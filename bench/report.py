@@ -465,9 +465,13 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
 
 
 def _congestion_control(*ways: dict) -> str:
-    """The TCP congestion control the ways' namespaces ran (the host's default), where the figures recorded it."""
-    found = sorted({way["congestion_control"] for way in ways if way.get("congestion_control")})
-    return f" TCP congestion control in the namespaces: {', '.join(found)}." if found else ""
+    """What carried the peers' traffic: the TCP congestion control the ways' namespaces ran (the host's default),
+    or QUIC, where the figures recorded it."""
+    tcp = sorted({w["congestion_control"] for w in ways if w.get("congestion_control") and w.get("transport") != "quic"})
+    line = f" TCP congestion control in the namespaces: {', '.join(tcp)}." if tcp else ""
+    if any(way.get("transport") == "quic" for way in ways):
+        line += " Peers connected over QUIC (UDP, with quic-go's own congestion control)."
+    return line
 
 
 def render(header: dict, figures: dict, summary: str) -> str:

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.procs import Child, children, hub_network, read_json_lines, wait_for
+from bench.procs import TRANSPORTS, Child, children, hub_network, read_json_lines, wait_for
 
 CHUNK = 1 << 16
 LENGTH_BYTES = 8
@@ -26,8 +26,6 @@ MAX_EXCHANGE_BYTES = 1 << 30  # what a handler reads at most: a stray stream can
 START_S = 20.0  # from launch to the first round: the peers start their daemons and connect
 HANDLER = "bench_streams"
 ANSWER_LINGER_S = 60.0  # an answer waits this long at most for its asker to close the stream
-# what each peer listens on: TCP, whose connections p2pd multiplexes with yamux, or QUIC, which has its own streams
-TRANSPORTS = {"tcp": "/ip4/{address}/tcp/0", "quic": "/ip4/{address}/udp/0/quic-v1"}
 OUTCOMES = ("ok", "silent_end", "error", "timeout")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from bench.formulas import MBIT, allreduce_bytes_per_peer, mean, median, ratio, rounded
 from bench.procs import (
     ONE_THREAD,
+    TRANSPORTS,
     Child,
     HubNetwork,
     NamespacesUnavailable,
@@ -219,6 +220,7 @@ class Plan:
     # every real-compute run and the plain reference: at target 256 the default rate (0.2) plateaus, then diverges
     # in both modes near 45,000 samples (docs/benchmarks/2026-11-26-amd-epyc-2core-wan-loss.md); 0.05 trains
     loss_flags: tuple[str, ...] = ("--learning_rate", "0.05")
+    transport: str = "tcp"  # what the peers listen on (bench.procs.TRANSPORTS)
 
 
 # A round ends when the swarm has processed H x target_batch_size samples, so each of 3 peers takes H x 256 / (3 x 16)
@@ -302,8 +304,10 @@ def run_swarm(
     rate_mbit: float | None = None,
     stop_at_epoch: int | None = None,
     timeout: float = 1200,
+    transport: str = "tcp",
 ) -> dict:
-    """One process per peer, each in its namespace; ``together``: one swarm, else each alone (own experiment).
+    """One process per peer, each in its namespace; ``together``: one swarm, else each alone (own experiment); the
+    peers listen on ``transport`` (a key of ``bench.procs.TRANSPORTS``).
 
     Peers start on a fast link (a newcomer's state download is not measured); once every peer is training, the links
     are shaped to ``rate_mbit``, the slowest peer enters its next epoch (alone: each peer's first steps), and then
@@ -332,7 +336,7 @@ def run_swarm(
         join: list[str] = []
         for rank, peer in enumerate(network.peers):
             prefix = f"wan_{name}_{stamp}" + ("" if together else f"_{rank}")
-            argv = [steps[rank], "--experiment_prefix", prefix, "--host_maddrs", f"/ip4/{peer.address}/tcp/0", *flags]
+            argv = [steps[rank], "--experiment_prefix", prefix, "--host_maddrs", peer.listen_maddr(transport), *flags]
             if stop_at_epoch:
                 argv += ["--max_steps", str(stop_at_epoch)]
             child = Child(
@@ -457,12 +461,12 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with
     params = default_model_params()
     common = loss_common_flags(plan)
     with hub_network(plan.peers, FAST_LINK_MBIT, FAST_LINK_MBIT) as network:
-        alone = run_swarm(network, "alone", common, log_dir, plan.seconds, together=False)
+        alone = run_swarm(network, "alone", common, log_dir, plan.seconds, together=False, transport=plan.transport)
         progress("wan: alone")
         epoch_compute_s = plan.target_batch_size / alone["samples_per_second"]
         rate = scaled_rate_mbit(SETTING, params, epoch_compute_s)
         slow = [*common, *link_flags(rate)]
-        sync = run_swarm(network, "sync", slow, log_dir, plan.seconds, rate_mbit=rate)
+        sync = run_swarm(network, "sync", slow, log_dir, plan.seconds, rate_mbit=rate, transport=plan.transport)
         progress("wan: synchronous")
         lowcomm: dict = dict.fromkeys(plan.lowcomm_variants)  # the plan's order, whatever order they run in
         loss = None
@@ -474,18 +478,40 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with
             # machine, whose speed drifts (docs/benchmarks/2026-12-03-amd-epyc-2core-bracketed-alone.md). Alone a
             # peer averages nothing, so variants that differ only in compression share them.
             alone_flags = [*common, *variants[0][1]]
-            before = run_swarm(network, f"lowcomm_h{h}_alone", alone_flags, log_dir, plan.seconds, together=False)
+            before = run_swarm(
+                network,
+                f"lowcomm_h{h}_alone",
+                alone_flags,
+                log_dir,
+                plan.seconds,
+                together=False,
+                transport=plan.transport,
+            )
             runs = {}
             for variant, flags in variants:
                 if with_loss and tuple(flags) == plan.loss_variant and loss is None:
                     runs[variant] = loss = loss_run(network, plan, log_dir, rate, link_flags(rate))
                 else:
                     runs[variant] = run_swarm(
-                        network, f"lowcomm{swarms}", [*slow, *flags], log_dir, plan.seconds, rate_mbit=rate
+                        network,
+                        f"lowcomm{swarms}",
+                        [*slow, *flags],
+                        log_dir,
+                        plan.seconds,
+                        rate_mbit=rate,
+                        transport=plan.transport,
                     )
                 swarms += 1
                 progress(f"wan: {variant}")
-            after = run_swarm(network, f"lowcomm_h{h}_alone_after", alone_flags, log_dir, plan.seconds, together=False)
+            after = run_swarm(
+                network,
+                f"lowcomm_h{h}_alone_after",
+                alone_flags,
+                log_dir,
+                plan.seconds,
+                together=False,
+                transport=plan.transport,
+            )
             reference = bracketed_rate(before, after)
             for variant, run in runs.items():
                 lowcomm[variant] = _public(run) | {
@@ -502,6 +528,7 @@ def rate_scaled(plan: Plan, log_dir: Path, progress: Callable[[str], None], with
     return {
         "params": params,
         "congestion_control": congestion_control,
+        "transport": plan.transport,
         "epoch_compute_s": epoch_compute_s,
         "comm_to_compute": comm_to_compute(SETTING),
         "rate_mbit": rate,
@@ -582,6 +609,7 @@ def loss_run(
         rate_mbit=rate_mbit,
         stop_at_epoch=rounds,
         timeout=LOSS_RUN_S,
+        transport=plan.transport,
     )
 
 
@@ -656,12 +684,14 @@ def shadow(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 together=together,
                 module="bench.shadow",
                 rate_mbit=SETTING.link_mbit,
+                transport=plan.transport,
             )
             progress(f"wan: shadow {mode}")
         congestion_control = network.congestion_control()
     return {
         "params": numel,
         "congestion_control": congestion_control,
+        "transport": plan.transport,
         "micro_batch_s": micro_s,
         "rate_mbit": SETTING.link_mbit,
         "local_steps": SHADOW_LOCAL_STEPS,
@@ -740,6 +770,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few minutes, fewer and shorter runs")
     parser.add_argument("--log_dir", type=Path, default=Path("outputs/bench/wan"), help="every process's log")
     parser.add_argument("--output", type=Path, default=None, help="also write every figure as JSON here")
+    parser.add_argument(
+        "--transport",
+        choices=sorted(TRANSPORTS),
+        default="tcp",
+        help="what the peers listen on: TCP (p2pd multiplexes each connection with yamux) or QUIC over UDP",
+    )
     parser.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS), help="ways of emulating to run")
     parser.add_argument(
         "--shadow_modes",
@@ -781,7 +817,7 @@ def main(argv=None) -> int:
         f"{', '.join(CODEC_KINDS)}",
     )
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = dataclasses.replace(QUICK if args.quick else FULL, transport=args.transport)
     if args.lowcomm_variants:
         try:
             variants = [parse_variant(text) for text in args.lowcomm_variants]

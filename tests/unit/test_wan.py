@@ -287,6 +287,32 @@ def test_report_names_the_tcp_congestion_control_the_namespaces_ran():
     ) in wan_section(figures)
 
 
+def test_report_says_when_the_peers_ran_over_quic_not_the_namespaces_tcp():
+    from bench.report import wan_section
+
+    figures = wan_figures({"H 50, 8bit": None})
+    for way in ("rate_scaled", "shadow"):
+        figures[way] |= {"congestion_control": "bbr", "transport": "quic"}
+    text = wan_section(figures)
+    assert "Peers connected over QUIC (UDP, with quic-go's own congestion control)." in text
+    assert "TCP congestion control" not in text  # the namespaces' TCP carried none of the peers' traffic
+
+
+def test_wan_bench_refuses_a_transport_it_does_not_know():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.wan", "--transport", "sctp"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "--transport: invalid choice: 'sctp'" in result.stderr
+
+
+def test_a_peer_listens_on_the_transport_asked_for():
+    from bench.procs import WanPeer
+
+    peer = WanPeer("wan_0", "10.78.0.1", "wan_0_p")
+    assert peer.listen_maddr() == "/ip4/10.78.0.1/tcp/0"
+    assert peer.listen_maddr("quic") == "/ip4/10.78.0.1/udp/0/quic-v1"
+
+
 def test_report_shows_each_low_communication_run_between_its_own_alone_runs():
     from bench.report import wan_section
 
