@@ -467,7 +467,8 @@ limited to one thread with `OMP_NUM_THREADS=1` (checked: `torch.get_num_threads(
 def _congestion_control(*ways: dict) -> str:
     """What carried the peers' traffic: the TCP congestion control the ways' namespaces ran (the host's default),
     or QUIC, where the figures recorded it."""
-    tcp = sorted({w["congestion_control"] for w in ways if w.get("congestion_control") and w.get("transport") != "quic"})
+    over_tcp = [way for way in ways if way.get("congestion_control") and way.get("transport") != "quic"]
+    tcp = sorted({way["congestion_control"] for way in over_tcp})
     line = f" TCP congestion control in the namespaces: {', '.join(tcp)}." if tcp else ""
     if any(way.get("transport") == "quic" for way in ways):
         line += " Peers connected over QUIC (UDP, with quic-go's own congestion control)."
