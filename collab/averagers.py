@@ -83,6 +83,7 @@ from collab.timeouts import (
     group_part_timeout,
     part_timeout,
     part_timeout_need,
+    widened_first_chunk_timeout,
 )
 
 logger = logging.getLogger(__name__)
@@ -702,12 +703,19 @@ def find_donor(dht: hivemind.DHT, prefix: str, max_epoch: float | None, excluded
 class DownloadTry(NamedTuple):
     """One try of a state download: ``donor`` (None where the try never reached one) and, where it succeeded, the
     state's ``metadata`` and ``tensors``; ``broke_off``: the donor began sending, then a chunk came late or the stream
-    broke (``DownloadBrokeOff``)."""
+    broke (``DownloadBrokeOff``); ``silent``: the donor sent nothing within the first chunk's wait (busy in a round,
+    or gone)."""
 
     donor: PeerID | None
     metadata: Any = None
     tensors: list[torch.Tensor] | None = None
     broke_off: bool = False
+    silent: bool = False
+
+    @classmethod
+    def failed(cls, donor: PeerID, error: BaseException) -> DownloadTry:
+        """The try of a download from ``donor`` that ended with ``error`` (``download_state``'s)."""
+        return cls(donor, broke_off=isinstance(error, DownloadBrokeOff), silent=isinstance(error, TimeoutError))
 
 
 class DownloadBrokeOff(Exception):
@@ -751,7 +759,10 @@ async def download_state(
             parts = []
         parts.append(message.tensor_part)
     if parts:
-        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        try:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        except (RuntimeError, ValueError) as e:  # the stream ended mid-tensor: its connection closed (bench.streams)
+            raise DownloadBrokeOff(f"the stream ended within tensor {len(tensors)}: {e}") from e
     return metadata, tensors
 
 
@@ -767,10 +778,11 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
     non-finite value or another structure; a donor advertising such an epoch is not even asked. The next donor is
     then tried after a backoff (``download_backoff``: 1 s, doubling), up to ``MAX_DONORS_PER_LOAD`` tries in all,
     and failing all of them the peer keeps its own state. Where no donor is left but one whose download broke off
-    midway (``DownloadBrokeOff``: often the only donor of a small swarm), that one is asked once more, after the
-    backoff, rather than leaving the whole state for the next load. A try that fails or outlives its timeout is
-    stopped in the averager's process, so no abandoned download keeps the link busy. The scheduler is brought to the
-    new epoch in one step (``bring_scheduler_to_epoch``).
+    midway (``DownloadBrokeOff``: often the only donor of a small swarm) or sent nothing within the first chunk's
+    wait (busy in a round), that one is asked once more, after the backoff, rather than leaving the whole state for
+    the next load; each try whose donor sent nothing doubles that wait for the next (``widened_first_chunk_timeout``).
+    A try that fails or outlives its timeout is stopped in the averager's process, so no abandoned download keeps the
+    link busy. The scheduler is brought to the new epoch in one step (``bring_scheduler_to_epoch``).
     Without ``run_id`` no epoch is too far ahead (the other checks still apply).
     """
 
@@ -805,7 +817,10 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         optimizer_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
         expected_shapes = [tensor.shape for tensor in chain(parameters, optimizer_tensors)]
         skipped: list[PeerID] = []  # donors not to ask again in this load
-        broke_off: list[PeerID] = []  # donors asked once, whose download broke off midway: each may be asked again
+        # donors asked once whose download broke off midway or never began in time (alive a moment ago, or busy in a
+        # round): each may be asked again where no other donor is left
+        retryable: list[PeerID] = []
+        first_chunk = self.first_chunk_timeout  # widened after each try whose donor sent nothing in time
         prefetch, self.prefetch = self.prefetch, None  # a download begun before this load serves its first try
         self.download_began = prefetch.began if prefetch is not None else time.monotonic()
         self.download_tries, self.load_failure = 0, None
@@ -814,11 +829,11 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             self._max_donor_epoch.value = math.inf if max_epoch is None else max_epoch
             downloaded = prefetch.result() if prefetch is not None and tries == 0 else None
             if downloaded is None:
-                downloaded = self._try_download(timeout, skipped)
-            if downloaded is None and broke_off:
-                again = broke_off.pop(0)
-                logger.info("No other donor: asking peer %s again, whose download broke off", again)
-                downloaded = self._try_download(timeout, [peer for peer in skipped if peer != again])
+                downloaded = self._try_download(timeout, skipped, first_chunk)
+            if downloaded is None and retryable:
+                again = retryable.pop(0)
+                logger.info("No other donor: asking peer %s again, whose download broke off or began late", again)
+                downloaded = self._try_download(timeout, [peer for peer in skipped if peer != again], first_chunk)
             if downloaded is None:
                 logger.info("No other peer could send its state; keeping this peer's own")
                 self.load_failure = self.load_failure or "no donor"
@@ -827,8 +842,11 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
             self.download_tries += 1
             if donor is not None and donor not in skipped:
                 skipped.append(donor)
-                if downloaded.broke_off:
-                    broke_off.append(donor)
+                if downloaded.broke_off or downloaded.silent:
+                    retryable.append(donor)
+            if downloaded.silent:
+                first_chunk = self._widened_first_chunk_timeout(first_chunk, timeout)
+                logger.info("The next try waits up to %.1f s for its donor's first chunk", first_chunk)
             if tensors is None:
                 self.load_failure = "download failed"  # the try's own warning says how
                 continue
@@ -841,10 +859,19 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         logger.warning("No acceptable state in %d tries; keeping this peer's own", MAX_DONORS_PER_LOAD)
         return False
 
-    def _try_download(self, timeout: float | None, skipped: Sequence[PeerID]) -> DownloadTry | None:
-        """One try in the averager's process (``_load_state_from_peers``), None if no donor is left. A try the
-        averager's process has not answered within twice ``timeout`` is cancelled: that process sees it and stops the
-        download."""
+    def _widened_first_chunk_timeout(self, seconds: float | None, timeout: float | None) -> float:
+        """``widened_first_chunk_timeout`` of the wait a try had for its first chunk (``seconds``, where longer than
+        the chunk timeout: ``download_state``), within the averaging timeout and the try's ``timeout``."""
+        chunk = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        cap = min((t for t in (self._allreduce_timeout, timeout) if t), default=math.inf)
+        return widened_first_chunk_timeout(max(seconds or 0.0, chunk), cap)
+
+    def _try_download(
+        self, timeout: float | None, skipped: Sequence[PeerID], first_chunk_timeout: float | None
+    ) -> DownloadTry | None:
+        """One try in the averager's process (``_load_state_from_peers``), None if no donor is left; its first chunk
+        waits up to ``first_chunk_timeout`` (where longer than the chunk timeout). A try the averager's process has not
+        answered within twice ``timeout`` is cancelled: that process sees it and stops the download."""
         future = MPFuture()
         self._outer_pipe.send(
             (
@@ -854,7 +881,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
                     timeout=timeout,
                     future=future,
                     skipped=tuple(peer.to_base58() for peer in skipped),
-                    first_chunk_timeout=self.first_chunk_timeout,  # set after the averager's process began
+                    first_chunk_timeout=first_chunk_timeout,  # this try's: set after the averager's process began
                 ),
             )
         )
@@ -921,7 +948,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
                 answer(future, DownloadTry(donor))
             elif download.exception() is not None:
                 logger.warning("Downloading the state from peer %s failed: %s", donor, repr(download.exception()))
-                answer(future, DownloadTry(donor, broke_off=isinstance(download.exception(), DownloadBrokeOff)))
+                answer(future, DownloadTry.failed(donor, download.exception()))
             else:
                 answer(future, DownloadTry(donor, *download.result()))
         finally:

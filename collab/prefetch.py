@@ -19,7 +19,7 @@ import time
 import hivemind
 from hivemind.p2p import P2P, PeerID
 
-from collab.averagers import DownloadBrokeOff, DownloadTry, download_state, find_donor, max_donor_epoch, swarm_epoch
+from collab.averagers import DownloadTry, download_state, find_donor, max_donor_epoch, swarm_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class StatePrefetch:
                 return DownloadTry(donor)
             if download.exception() is not None:
                 logger.warning("Downloading the state from peer %s failed: %r", donor, download.exception())
-                return DownloadTry(donor, broke_off=isinstance(download.exception(), DownloadBrokeOff))
+                return DownloadTry.failed(donor, download.exception())
             return DownloadTry(donor, *download.result())
         finally:
             await p2p.shutdown()

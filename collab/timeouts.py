@@ -17,7 +17,8 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
   ``PART_BYTES`` takes ``n-1`` parts' time.
 - A state download: the state's bytes through the donor's upload, ``DOWNLOAD_MARGIN`` times over. Its first chunk
   may wait for the donor's parameter round to end (hivemind serves the state between rounds): ``ROUND_MARGIN`` times
-  a round, within the averaging timeout and at least a chunk's time (``first_chunk_timeout``).
+  a round, within the averaging timeout and at least a chunk's time (``first_chunk_timeout``); each try whose donor
+  sent nothing in that time doubles it for the next (``widened_first_chunk_timeout``).
 - A matchmaking answer: a leader's answer to a follower (accepted, begin the round) travels on the link that carries
   the rounds, and waits behind a round's data in flight there; a follower that stops waiting while its leader goes
   on leaves a group whose leader waits for it a chunk timeout and averages nothing with it. hivemind waits
@@ -228,6 +229,14 @@ def download_backoff(tries_done: int) -> float:
     if tries_done <= 0:
         return 0.0
     return min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** min(tries_done - 1, 32))
+
+
+def widened_first_chunk_timeout(seconds: float, cap: float) -> float:
+    """The wait for a donor's first chunk in the next download try, after a try whose donor sent nothing within
+    ``seconds``: twice that, at most ``cap`` (the averaging timeout: a live donor serves once its parameter round
+    ends). The first wait is sized by the link, but a donor's round on a loaded machine outlasts it; a dead donor
+    costs one short wait this way, a busy one a few tries."""
+    return max(seconds, min(cap, 2 * seconds))
 
 
 def rank_wait_timeout(timeouts: Timeouts, download_tries: int) -> float:

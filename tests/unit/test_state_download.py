@@ -308,6 +308,39 @@ def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round
                 newcomer.shutdown()
 
 
+ROUND_S = 4.5  # how long the lone donor below is in a parameter round
+
+
+def test_a_lone_donor_busy_past_the_first_chunk_s_wait_is_asked_again_with_twice_the_wait():
+    """The only donor is in a parameter round for ``ROUND_S``: the first try waits 1.5 s for its first chunk and
+    fails; after the 1 s backoff the load asks that donor again (it may be busy, not gone) and waits 3 s, past the
+    round's end, and applies its state. Before, the load skipped the donor, found no other and kept the newcomer's
+    own state; with the same 1.5 s wait the second try would have ended before the round did."""
+    with two_dhts() as (first, second), declared_donor(first, second) as donor:
+        newcomer = None
+        try:
+            newcomer = make_averager(
+                FiniteTrainingStateAverager,
+                second,
+                0.0,
+                run_id="download_test",
+                allow_state_sharing=False,
+                next_chunk_timeout=1.0,
+            )
+            newcomer.first_chunk_timeout = 1.5
+            donor.lock_averaged_tensors.acquire()  # a parameter round begins
+            threading.Timer(ROUND_S, donor.lock_averaged_tensors.release).start()
+            started = time.monotonic()
+            assert newcomer.load_state_from_peers(timeout=15) is True
+            assert time.monotonic() - started > ROUND_S - 0.5, "the state was served during the round"
+            assert (newcomer.local_epoch, newcomer.download_tries) == (5, 2)
+            for param in newcomer.main_parameters:
+                assert torch.equal(param, torch.ones_like(param))
+        finally:
+            if newcomer is not None:
+                newcomer.shutdown()
+
+
 def test_a_founder_s_download_at_start_up_finds_no_donor_and_ends_at_once():
     with two_dhts() as (_, dht):
         started = time.monotonic()
@@ -580,6 +613,26 @@ class BreaksOff(FiniteTrainingStateAverager):
                 return
 
 
+class EndsMidTensor(BreaksOff):
+    """A donor whose first state download ends with its last tensor short of its bytes, as a stream that a closed
+    connection ended between two of a tensor's parts (``bench.streams``); it serves later downloads whole."""
+
+    _rpc_handlers = None
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        self.downloads_begun += 1
+        served = FiniteTrainingStateAverager.rpc_download_state(self, request, context)
+        messages = [message async for message in served]
+        if self.downloads_begun <= self.downloads_to_break:
+            last = messages[-1]
+            kept = len(last.tensor_part.buffer) // 2 // 8 * 8  # whole values, as p2pd's whole 32 KiB blocks
+            last.tensor_part.buffer = last.tensor_part.buffer[:kept]
+        for message in messages:
+            yield message
+
+
 class BreaksOffAlways(BreaksOff):
     _rpc_handlers = None
     downloads_to_break = math.inf
@@ -613,6 +666,17 @@ def test_a_lone_donor_whose_download_broke_off_midway_is_asked_once_more_and_its
         started = time.monotonic()
         assert newcomer.load_state_from_peers(timeout=20) is True
         assert time.monotonic() - started < 15
+        assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (5, 2, "download failed")
+        for param in newcomer.main_parameters:
+            assert torch.equal(param, torch.ones_like(param))
+
+
+def test_a_lone_donor_whose_stream_ended_mid_tensor_is_asked_once_more_and_its_state_applied():
+    """A download whose last tensor came short (the silent stream end of slow or loaded links) broke off midway: the
+    lone donor is asked again and its whole state applied. Before, the short tensor's RuntimeError ("shape ... is
+    invalid for input of size ...") counted as a plain failure, and the load kept the newcomer's own state."""
+    with newcomer_of_a_lone(EndsMidTensor) as newcomer:
+        assert newcomer.load_state_from_peers(timeout=20) is True
         assert (newcomer.local_epoch, newcomer.download_tries, newcomer.load_failure) == (5, 2, "download failed")
         for param in newcomer.main_parameters:
             assert torch.equal(param, torch.ones_like(param))

@@ -28,6 +28,7 @@ from collab.timeouts import (
     part_timeout,
     part_timeout_need,
     rank_wait_timeout,
+    widened_first_chunk_timeout,
 )
 from trainer.model import tiny_bert_config
 
@@ -162,6 +163,15 @@ def test_a_round_waits_as_long_as_its_most_patient_member_within_the_cap():
 def test_state_downloads_back_off_exponentially_up_to_30_s():
     assert [download_backoff(tries) for tries in range(8)] == [0, 1, 2, 4, 8, 16, 30, 30]
     assert download_backoff(10_000) == 30
+
+
+def test_a_donor_silent_for_the_first_chunk_s_wait_gets_twice_as_long_next_try_within_the_averaging_timeout():
+    assert widened_first_chunk_timeout(3.2, 60.0) == 6.4
+    waits = [3.2]
+    for _ in range(6):
+        waits.append(widened_first_chunk_timeout(waits[-1], 60.0))
+    assert waits == [3.2, 6.4, 12.8, 25.6, 51.2, 60.0, 60.0]
+    assert widened_first_chunk_timeout(90.0, 60.0) == 90.0  # a wait given longer than the cap is never shortened
 
 
 TINY_PARAMETERS_BANDWIDTH = 0.05  # Mbit/s: slow enough that the tiny model's timeouts leave their floors
