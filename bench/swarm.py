@@ -75,8 +75,8 @@ JOIN_GOAL = 1.5  # join_seconds_vs_bound's goal
 # state_loaded counts the state in memory (fp32); downloads carry it in fp16 (load_state_compression), half as many
 # bytes: the bound is the time of those through the link.
 STATE_WIRE_FRACTION = 0.5
-# A join killed (or ended by the run) before JOIN_GOAL x its bound plus this allowance had no fair chance: the
-# allowance covers what the bound leaves out, the process's start on a loaded CPU and the wait for a round.
+# A join killed (or ended by the run) before JOIN_GOAL x its bound plus this allowance after its joined event had no
+# fair chance: the allowance covers what the bound leaves out, the wait for the epoch's end and a round.
 STARTUP_ALLOWANCE_S = 60.0
 # With --joins_in_flight, a newcomer still not productive this long after its fair chance leaves: a failed join,
 # whose slot goes to the next newcomer. Three averaging timeouts (60 s): a first round caught in a round that timed
@@ -377,11 +377,17 @@ def fair_chance_s(bound_s: float) -> float:
     return JOIN_GOAL * bound_s + STARTUP_ALLOWANCE_S
 
 
+def joined_at(run: PeerRun) -> float:
+    """When the run's ``joined`` event came (its DHT up, asking for the state), or its launch where it wrote none."""
+    return next((record["time"] for record in run.events if record["event"] == "joined"), run.started)
+
+
 def fair_chance_ends(run: PeerRun, state_bytes: int | None) -> float:
     """When (Unix time) the join's fair chance ends: ``fair_chance_s`` of its own state's download bound, or of the
-    swarm's ``state_bytes`` for a run that has not downloaded one."""
+    swarm's ``state_bytes`` for a run that has not downloaded one, from its ``joined_at``: the Python start-up before
+    it is the host's CPU (70-90 s on two cores running 17 peers), not the join's, as for ``join_seconds_vs_bound``."""
     size = loaded_bytes(run) or state_bytes
-    return run.started + fair_chance_s(transfer_bound_s(size, run.download_mbit) if size else 0.0)
+    return joined_at(run) + fair_chance_s(transfer_bound_s(size, run.download_mbit) if size else 0.0)
 
 
 def join_outcome(run: PeerRun, state_bytes: int | None, grace_s: float = 0.0) -> bool | None:
@@ -429,8 +435,7 @@ def join_seconds_vs_bound(run: PeerRun) -> float | None:
     productive, size = first_contribution(run), loaded_bytes(run)
     if productive is None or not size:
         return None
-    joined = next((record["time"] for record in run.events if record["event"] == "joined"), run.started)
-    return (productive - joined) / transfer_bound_s(size * STATE_WIRE_FRACTION, run.download_mbit)
+    return (productive - joined_at(run)) / transfer_bound_s(size * STATE_WIRE_FRACTION, run.download_mbit)
 
 
 def join_phases(run: PeerRun) -> dict[str, float]:

@@ -295,22 +295,28 @@ def test_join_outcomes_and_their_time_over_the_bound():
     assert join_outcome(idle, None) is False
     assert join_seconds_vs_bound(idle) is None
     assert join_outcome(joiner("newcomer", 100.0, 50.0, 105.0, "exit", []), None) is False  # failed by itself
+    # its fair chance counts from its joined event: 80 s of Python start-up on a loaded host are not the join's
+    started_late = joiner("restart", 100.0, 25.0, 230.0, "end", [ev("joined", 180.0), LOADED])
+    assert join_outcome(started_late, 12_500_000) is None  # 50 s after joining, inside 1.5 x 4 + 60 = 66 s
+    assert join_outcome(dataclasses.replace(started_late, ended=247.0), 12_500_000) is False  # 67 s after
     # productive without a download of its own: no ratio
     no_download = joiner("restart", 0.0, 10.0, 9.0, "end", [averaged("gradients", 5.0, 8, 2, 1)])
     assert join_outcome(no_download, None) is True and join_seconds_vs_bound(no_download) is None
 
 
 def test_a_newcomer_in_flight_leaves_once_productive_or_three_minutes_after_its_fair_chance():
-    # 12.5 MB at 10 Mbit/s (1.25 MB/s): a bound of 10 s, a fair chance of 1.5 x 10 + 60 = 75 s, given up 180 s later
+    # 12.5 MB at 10 Mbit/s (1.25 MB/s): a bound of 10 s, a fair chance of 1.5 x 10 + 60 = 75 s from joining at 104 s,
+    # given up 180 s later
     downloading = joiner("newcomer", 100.0, 10.0, None, None, [ev("joined", 104.0)])
-    assert newcomer_verdict(downloading, 12_500_000, 354.0) is None
-    assert newcomer_verdict(downloading, 12_500_000, 355.0) == "gave up"
-    assert join_outcome(dataclasses.replace(downloading, ended=355.0, ended_by="leave"), 12_500_000) is False
+    assert newcomer_verdict(downloading, 12_500_000, 358.0) is None
+    assert newcomer_verdict(downloading, 12_500_000, 359.0) == "gave up"
+    assert join_outcome(dataclasses.replace(downloading, ended=359.0, ended_by="leave"), 12_500_000) is False
     # the run's end judges a join as the plan does: still inside its grace, it had no fair chance yet
     ended = dataclasses.replace(downloading, ended=300.0, ended_by="end")
     assert join_outcome(ended, 12_500_000) is False and join_outcome(ended, 12_500_000, grace_s=180.0) is None
-    assert join_outcome(dataclasses.replace(ended, ended=355.0), 12_500_000, grace_s=180.0) is False
-    # its own download's size wins over the swarm's: 25 MB bound it to 20 s, giving up at 100 + 90 + 180
+    assert join_outcome(dataclasses.replace(ended, ended=359.0), 12_500_000, grace_s=180.0) is False
+    # its own download's size wins over the swarm's: 25 MB bound it to 20 s; no joined event: from its launch at 100 s,
+    # giving up at 100 + 90 + 180
     loaded = dataclasses.replace(downloading, events=[{**LOADED, "bytes": 25_000_000}])
     assert newcomer_verdict(loaded, 12_500_000, 369.0) is None and newcomer_verdict(loaded, None, 370.0) == "gave up"
     # a round with a groupmate and its own samples: productive at once, however late
