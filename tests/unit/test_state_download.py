@@ -280,32 +280,49 @@ def test_a_download_begun_at_start_up_is_applied_by_the_first_load_after_its_don
                 newcomer.shutdown()
 
 
+NEWCOMER_CHUNK_TIMEOUT = 1.0
+
+
+@contextlib.contextmanager
+def lone_donor_and_newcomer(donor_class: type = FiniteTrainingStateAverager):
+    """A donor (a ``donor_class``, ``declared_donor``) and a newcomer (parameters 0.0, chunk timeout
+    ``NEWCOMER_CHUNK_TIMEOUT``) whose only donor it is; both shut down afterwards."""
+    with two_dhts() as (first, second), declared_donor(first, second, averager_class=donor_class) as donor:
+        newcomer = make_averager(
+            FiniteTrainingStateAverager,
+            second,
+            0.0,
+            run_id="download_test",
+            allow_state_sharing=False,
+            next_chunk_timeout=NEWCOMER_CHUNK_TIMEOUT,
+        )
+        try:
+            yield donor, newcomer
+        finally:
+            newcomer.shutdown()
+
+
+@contextlib.contextmanager
+def newcomer_during_a_round(round_s: float, first_chunk_timeout: float):
+    """``lone_donor_and_newcomer``'s newcomer, with ``first_chunk_timeout``, while its donor is in a parameter round
+    for ``round_s`` from now: it holds its averaged tensors' lock, as hivemind's all-reduce does."""
+    with lone_donor_and_newcomer() as (donor, newcomer):
+        newcomer.first_chunk_timeout = first_chunk_timeout
+        donor.lock_averaged_tensors.acquire()  # a parameter round begins
+        threading.Timer(round_s, donor.lock_averaged_tensors.release).start()
+        yield newcomer
+
+
 def test_a_download_asked_during_the_donor_s_parameter_round_waits_for_the_round_s_end():
     """hivemind's all-reduce holds the averaged tensors' lock for the whole round, and a donor serves its state only
     under that lock: here the lock is held 3 s, as by a round. The newcomer waits up to its ``first_chunk_timeout``
     (20 s) for the first chunk and gets the state; with the chunk timeout (1 s) for it, the try failed and the load
     kept its own."""
-    with two_dhts() as (first, second), declared_donor(first, second) as donor:
-        newcomer = None
-        try:
-            newcomer = make_averager(
-                FiniteTrainingStateAverager,
-                second,
-                0.0,
-                run_id="download_test",
-                allow_state_sharing=False,
-                next_chunk_timeout=1.0,
-            )
-            newcomer.first_chunk_timeout = 20.0
-            donor.lock_averaged_tensors.acquire()  # a parameter round begins
-            threading.Timer(3.0, donor.lock_averaged_tensors.release).start()
-            started = time.monotonic()
-            assert newcomer.load_state_from_peers(timeout=15) is True
-            assert time.monotonic() - started > 2.5, "the state was served during the round"
-            assert newcomer.local_epoch == 5 and newcomer.download_tries == 1
-        finally:
-            if newcomer is not None:
-                newcomer.shutdown()
+    with newcomer_during_a_round(3.0, first_chunk_timeout=20.0) as newcomer:
+        started = time.monotonic()
+        assert newcomer.load_state_from_peers(timeout=15) is True
+        assert time.monotonic() - started > 2.5, "the state was served during the round"
+        assert newcomer.local_epoch == 5 and newcomer.download_tries == 1
 
 
 ROUND_S = 4.5  # how long the lone donor below is in a parameter round
@@ -316,29 +333,13 @@ def test_a_lone_donor_busy_past_the_first_chunk_s_wait_is_asked_again_with_twice
     fails; after the 1 s backoff the load asks that donor again (it may be busy, not gone) and waits 3 s, past the
     round's end, and applies its state. Before, the load skipped the donor, found no other and kept the newcomer's
     own state; with the same 1.5 s wait the second try would have ended before the round did."""
-    with two_dhts() as (first, second), declared_donor(first, second) as donor:
-        newcomer = None
-        try:
-            newcomer = make_averager(
-                FiniteTrainingStateAverager,
-                second,
-                0.0,
-                run_id="download_test",
-                allow_state_sharing=False,
-                next_chunk_timeout=1.0,
-            )
-            newcomer.first_chunk_timeout = 1.5
-            donor.lock_averaged_tensors.acquire()  # a parameter round begins
-            threading.Timer(ROUND_S, donor.lock_averaged_tensors.release).start()
-            started = time.monotonic()
-            assert newcomer.load_state_from_peers(timeout=15) is True
-            assert time.monotonic() - started > ROUND_S - 0.5, "the state was served during the round"
-            assert (newcomer.local_epoch, newcomer.download_tries) == (5, 2)
-            for param in newcomer.main_parameters:
-                assert torch.equal(param, torch.ones_like(param))
-        finally:
-            if newcomer is not None:
-                newcomer.shutdown()
+    with newcomer_during_a_round(ROUND_S, first_chunk_timeout=1.5) as newcomer:
+        started = time.monotonic()
+        assert newcomer.load_state_from_peers(timeout=15) is True
+        assert time.monotonic() - started > ROUND_S - 0.5, "the state was served during the round"
+        assert (newcomer.local_epoch, newcomer.download_tries) == (5, 2)
+        for param in newcomer.main_parameters:
+            assert torch.equal(param, torch.ones_like(param))
 
 
 def test_a_founder_s_download_at_start_up_finds_no_donor_and_ends_at_once():
@@ -590,7 +591,6 @@ def test_a_load_whose_only_donor_failed_its_download_at_start_up_says_so_and_cou
 
 
 BREAK_SECONDS = 3.0  # how long the donor below goes silent: past the newcomer's chunk timeout
-NEWCOMER_CHUNK_TIMEOUT = 1.0
 
 
 class BreaksOff(FiniteTrainingStateAverager):
@@ -640,21 +640,9 @@ class BreaksOffAlways(BreaksOff):
 
 @contextlib.contextmanager
 def newcomer_of_a_lone(donor_class: type):
-    """A newcomer (parameters 0.0, chunk timeout ``NEWCOMER_CHUNK_TIMEOUT``) whose only donor is a ``donor_class``
-    (``declared_donor``); both shut down afterwards."""
-    with two_dhts() as (first, second), declared_donor(first, second, averager_class=donor_class):
-        newcomer = make_averager(
-            FiniteTrainingStateAverager,
-            second,
-            0.0,
-            run_id="download_test",
-            allow_state_sharing=False,
-            next_chunk_timeout=NEWCOMER_CHUNK_TIMEOUT,
-        )
-        try:
-            yield newcomer
-        finally:
-            newcomer.shutdown()
+    """``lone_donor_and_newcomer``'s newcomer, its donor a ``donor_class``."""
+    with lone_donor_and_newcomer(donor_class) as (_, newcomer):
+        yield newcomer
 
 
 def test_a_lone_donor_whose_download_broke_off_midway_is_asked_once_more_and_its_state_applied():
