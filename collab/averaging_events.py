@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.utils.nested import nested_flatten
 
 from collab import events
@@ -205,10 +206,25 @@ def served_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return state_bytes(chain(parameters, nested_flatten(optimizer.state_dict())))
 
 
+def failed_round_reason(control: StepControl | None) -> str | None:
+    """Why a step's gradient round gave no averages, as hivemind left its ``control`` once the step stopped waiting
+    for it: ``"timeout"`` (still running after ``averaging_timeout``), ``"cancelled"`` (given up: ``round_given_up``)
+    or the error's class name; None where it averaged, or where there was no round (no other peer)."""
+    if control is None:
+        return None
+    if not control.done():
+        return "timeout"
+    if control.cancelled():
+        return "cancelled"
+    error = control.exception()
+    return None if error is None else type(error).__name__
+
+
 class OptimizerEventsMixin:
-    """Emits ``step_begun`` as a global step triggers its gradient round, ``round_scheduled`` when a gradient round is
-    pre-scheduled, ``out_of_sync`` when the peer finds itself behind and ``state_loaded`` when a load of the state
-    from peers moved it to a newer epoch; put it before ``hivemind.Optimizer``."""
+    """Emits ``step_begun`` as a global step triggers its gradient round, ``round_failed`` when that round gave no
+    averages, ``round_scheduled`` when a gradient round is pre-scheduled, ``out_of_sync`` when the peer finds itself
+    behind and ``state_loaded`` when a load of the state from peers moved it to a newer epoch; put it before
+    ``hivemind.Optimizer``."""
 
     def _should_load_state_from_peers(self) -> bool:
         behind = super()._should_load_state_from_peers()
@@ -226,7 +242,15 @@ class OptimizerEventsMixin:
         # at the trigger, not as the step is entered: hivemind first waits (seconds under load) for the tracker's lock
         # and the previous step's delayed update, whose round must not read as this step's (bench.swarm's attribution)
         events.emit("step_begun", epoch=self.local_epoch)
+        self._round_epoch = self.local_epoch  # the delayed step that reports the round runs once the epoch moved on
         return super()._begin_averaging_gradients(grad_scaler)
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
+        # hivemind logs the failure and steps with local gradients: the event lets bench.swarm say why a round was lost
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        reason = failed_round_reason(maybe_step_control)
+        if reason is not None:
+            events.emit("round_failed", epoch=getattr(self, "_round_epoch", self.local_epoch), reason=reason)
 
     def load_state_from_peers(self, **kwargs) -> None:
         epoch_before, started = self.local_epoch, time.monotonic()

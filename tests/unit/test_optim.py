@@ -9,6 +9,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 from hivemind.utils import MPFuture, get_dht_time
 from torch_optimizer import Lamb
@@ -22,6 +23,7 @@ from arguments import (
     TrainingArguments,
 )
 from collab import events
+from collab.averaging_events import failed_round_reason
 from collab.callback import CollaborativeCallback
 from collab.events import read_events
 from collab.lowcomm import LowCommOptimizer
@@ -537,3 +539,55 @@ def test_a_gpu_steps_longer_runs_of_tensors_than_the_cpu():
     assert cpu == 1 << 22
     assert gpu >= 16 * cpu
     assert gpu * 4 <= 256 * 2**20  # the fp32 scratch of one run stays within 256 MB
+
+
+def pending_step_control() -> StepControl:
+    """A gradient round's control as hivemind makes it, not yet ended. hivemind's MPFuture backend must first start
+    from an MPFuture itself: started from a subclass, it keeps its table of futures on that subclass."""
+    trigger, cancel = MPFuture(), MPFuture()
+    now = get_dht_time()
+    control = StepControl(scheduled_time=now, deadline=now + 60, allow_retries=False, weight=1.0, data_for_gather=b"")
+    control.attach(trigger, cancel)
+    return control
+
+
+def test_why_a_gradient_round_gave_no_averages_is_read_from_its_control():
+    """``failed_round_reason``: a round still running when the step stopped waiting outlasted averaging_timeout, a
+    cancelled one was given up, a failed one names its error; one that averaged, or no round at all, is no failure."""
+    assert failed_round_reason(None) is None
+    assert failed_round_reason(pending_step_control()) == "timeout"
+    cancelled = pending_step_control()
+    cancelled.cancel()
+    assert failed_round_reason(cancelled) == "cancelled"
+    failed = pending_step_control()
+    failed.set_exception(MatchmakingException("Unable to run All-Reduce: "))
+    assert failed_round_reason(failed) == "MatchmakingException"
+    averaged = pending_step_control()
+    averaged.set_result([])
+    assert failed_round_reason(averaged) is None
+
+
+def test_a_gradient_round_that_outlasts_the_averaging_timeout_is_written_as_round_failed(tmp_path):
+    """hivemind logs a gradient round it stopped waiting for and steps with the local gradients; ``round_failed``
+    says so in the events, where bench.swarm splits the epochs that lost their round by cause. A lone peer's
+    round finds no group: with averaging_timeout 1 s, the step waits 1 s and writes ``timeout``."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "round_failed")
+        try:
+            optimizer.averaging_timeout = 1.0
+            control = optimizer.grad_averager.schedule_step(timeout=30)
+            control.allow_allreduce()
+            began = time.monotonic()
+            optimizer._average_gradients_and_load_into_optimizer(control)
+            assert 1.0 <= time.monotonic() - began < 10.0
+            assert [(r["epoch"], r["reason"]) for r in read_events(path, "round_failed")] == [(0, "timeout")]
+            control.cancel()
+        finally:
+            optimizer.shutdown()
+    finally:
+        events.open_event_log(None)
+        dht.shutdown()
