@@ -21,7 +21,8 @@ The figures, from the peers' events (docs/EVENTS.md) and steps files (``bench.pr
 
 - ``goodput``: samples that reached an applied update / samples computed (``computed_samples``,
   ``applied_samples``), and ``samples_by_outcome``: the share of the computed samples that each outcome took
-  (``samples_by_outcome``: applied, or lost where); ``values_averaged_median`` and ``complete_rounds`` say how much
+  (``samples_by_outcome``: applied, or lost where), and of the ``no_round`` ones, why their round gave no averages
+  (``no_round_by_cause``: ``no_round_cause``); ``values_averaged_median`` and ``complete_rounds`` say how much
   of those rounds was averaged (``round_completeness``);
 - ``join_success``: joins (restarts and newcomers) that became productive / joins tried (``join_outcome``);
   ``--history`` keeps each run's counts so that they add up across runs;
@@ -288,16 +289,15 @@ def applied_samples(run: PeerRun, first: int, last: int) -> int:
 
 
 SAMPLE_OUTCOMES = ("applied", "alone", "no_round", "unpublished", "dropped_by_download", "unfinished")
+# why an epoch's round gave no averages (``no_round_cause``)
+NO_ROUND_CAUSES = ("given_up", "timeout", "failed", "no_step", "unexplained")
 
 
-def samples_by_outcome(run: PeerRun, first: int, last: int) -> dict[str, int]:
-    """Where the samples the run computed at epochs ``first`` to ``last - 1`` went, by the epoch they were made in
-    (``samples_by_epoch``), one of ``SAMPLE_OUTCOMES``: ``applied`` (the epoch ended published after an own
-    round), ``alone`` (its gradient round's group was this peer only), ``no_round`` (no round completed: it found no
-    group, failed or was given up), ``unpublished`` (the peer was catching up or out of sync), ``dropped_by_download``
-    (a state download moved the peer past the epoch), ``unfinished`` (the run ended first: killed, left, or the
-    window closed)."""
-    made = samples_by_epoch(run, first, last)
+def epoch_outcomes(run: PeerRun) -> dict[int, str]:
+    """The outcome (``SAMPLE_OUTCOMES``) of each epoch the run ended, by epoch: ``applied`` (the epoch ended published
+    after an own round), ``alone`` (its gradient round's group was this peer only), ``no_round`` (no round completed:
+    it found no group, failed or was given up), ``unpublished`` (the peer was catching up or out of sync),
+    ``dropped_by_download`` (a state download moved the peer past the epoch). Epochs it did not end are absent."""
     contributed, alone = contributed_epochs(run.events), contributed_epochs(run.events, alone_round)
     outcome: dict[int, str] = {}
     epoch = started_epoch(run)
@@ -314,9 +314,48 @@ def samples_by_outcome(run: PeerRun, first: int, last: int) -> dict[str, int]:
             else:
                 outcome[epoch] = "alone" if epoch in alone else "no_round"
         epoch = record["epoch"]
+    return outcome
+
+
+def samples_by_outcome(run: PeerRun, first: int, last: int) -> dict[str, int]:
+    """Where the samples the run computed at epochs ``first`` to ``last - 1`` went, by the epoch they were made in
+    (``samples_by_epoch``): ``epoch_outcomes``, or ``unfinished`` (the run ended first: killed, left, or the window
+    closed)."""
+    outcome = epoch_outcomes(run)
     totals = dict.fromkeys(SAMPLE_OUTCOMES, 0)
-    for made_at, samples in made.items():
+    for made_at, samples in samples_by_epoch(run, first, last).items():
         totals[outcome.get(made_at, "unfinished")] += samples
+    return totals
+
+
+def no_round_cause(events: Sequence[dict], epoch: int) -> str:
+    """Why the gradient round of ``epoch`` gave this run no averages (one of ``NO_ROUND_CAUSES``), from its events:
+    ``round_failed`` of that epoch says ``timeout`` (it outlasted averaging_timeout) or another error (``failed``:
+    matchmaking or the all-reduce broke), or ``cancelled``, which is ``given_up`` like a ``round_given_up`` between the
+    epoch's ``step_begun`` and the next; ``no_step``: the run began no step at that epoch (it moved to the swarm's
+    next epoch without its own round); ``unexplained``: a step began and no event says what became of its round."""
+    for record in events:
+        if record["event"] == "round_failed" and record.get("epoch") == epoch:
+            reason = record.get("reason")
+            return {"cancelled": "given_up", "timeout": "timeout"}.get(reason, "failed")
+    steps = [record["time"] for record in events if record["event"] == "step_begun"]
+    begun = [record["time"] for record in events if record["event"] == "step_begun" and record["epoch"] == epoch]
+    if not begun:
+        return "no_step"
+    later = [moment for moment in steps if moment > begun[0]]
+    until = later[0] if later else math.inf
+    if any(record["event"] == "round_given_up" and begun[0] <= record["time"] < until for record in events):
+        return "given_up"
+    return "unexplained"
+
+
+def samples_without_round(run: PeerRun, first: int, last: int) -> dict[str, int]:
+    """The run's ``no_round`` samples of epochs ``first`` to ``last - 1`` by ``no_round_cause``."""
+    outcome = epoch_outcomes(run)
+    totals = dict.fromkeys(NO_ROUND_CAUSES, 0)
+    for made_at, samples in samples_by_epoch(run, first, last).items():
+        if outcome.get(made_at) == "no_round":
+            totals[no_round_cause(run.events, made_at)] += samples
     return totals
 
 
@@ -485,10 +524,12 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0
     medians = {name: statistics.median(found) if found else None for name, found in values.items()}
     productive = sum(outcome is True for outcome in outcomes)
     saved, shut_down = leaves_saved(runs)
-    by_outcome = dict.fromkeys(SAMPLE_OUTCOMES, 0)
+    by_outcome, by_cause = dict.fromkeys(SAMPLE_OUTCOMES, 0), dict.fromkeys(NO_ROUND_CAUSES, 0)
     for run in runs:
         for name, samples in samples_by_outcome(run, first, last).items():
             by_outcome[name] += samples
+        for name, samples in samples_without_round(run, first, last).items():
+            by_cause[name] += samples
     return {
         "goodput": applied / computed if computed else None,
         "join_success": productive / tried if tried else None,
@@ -505,6 +546,7 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0
         "samples_computed": computed,
         "samples_applied": applied,
         "samples_by_outcome": {name: samples / computed for name, samples in by_outcome.items()} if computed else None,
+        "no_round_by_cause": {name: samples / computed for name, samples in by_cause.items()} if computed else None,
         **round_completeness(runs),
         "leaves_saved": saved,
         "leaves_shut_down": shut_down,
@@ -935,6 +977,9 @@ def report_lines(figures: dict, totals: dict) -> list[str]:
     lines.append(
         "where the computed samples went: " + ", ".join(f"{name} {share:.1%}" for name, share in shares.items())
     )
+    causes = figures.get("no_round_by_cause") or {}
+    if causes:
+        lines.append("no_round by cause: " + ", ".join(f"{name} {share:.1%}" for name, share in causes.items()))
     if figures.get("complete_rounds") is not None:
         lines.append(
             f"gradient rounds with groupmates: {figures['values_averaged_median']:.1%} of the values averaged at the "

@@ -12,6 +12,7 @@ import pytest
 
 from bench import swarm
 from bench.swarm import (
+    NO_ROUND_CAUSES,
     Action,
     EventTail,
     PeerRun,
@@ -30,9 +31,11 @@ from bench.swarm import (
     kills_due,
     leaves_saved,
     newcomer_verdict,
+    no_round_cause,
     own_round,
     read_steps,
     samples_by_outcome,
+    samples_without_round,
     stall_count,
     summarize,
 )
@@ -236,6 +239,27 @@ def test_samples_by_outcome_say_where_each_epochs_samples_went():
     assert samples_by_outcome(failed, 11, 12) == {**NOTHING, "no_round": 32}
 
 
+def test_an_epoch_that_lost_its_round_is_told_by_why():
+    """``no_round_cause``: round_failed names the cause of its epoch; a round_given_up counts for the step it came
+    in (between that step_begun and the next); an epoch with no step of its own is no_step."""
+    steps = [ev("step_begun", 1.0, epoch=10), ev("step_begun", 10.0, epoch=11), ev("step_begun", 20.0, epoch=12)]
+    assert no_round_cause([*steps, ev("round_failed", 60.0, epoch=10, reason="timeout")], 10) == "timeout"
+    assert no_round_cause([*steps, ev("round_failed", 15.0, epoch=11, reason="cancelled")], 11) == "given_up"
+    failed = ev("round_failed", 15.0, epoch=11, reason="MatchmakingException")
+    assert no_round_cause([*steps, failed], 11) == "failed"
+    assert no_round_cause([*steps, failed], 10) == "unexplained"  # the failure was epoch 11's
+    given_up = ev("round_given_up", 12.0, seconds=2.0, reason="next_round")
+    assert no_round_cause([*steps, given_up], 11) == "given_up"
+    assert no_round_cause([*steps, given_up], 10) == "unexplained"  # it came after epoch 11's step began
+    assert no_round_cause([*steps, given_up], 12) == "unexplained"
+    assert no_round_cause(steps, 13) == "no_step"
+    # RUN_D without its round of epoch 11 (ended 12.5), which timed out instead
+    timed_out = [e for e in RUN_D.events if e["time"] != 12.5] + [ev("round_failed", 70.0, epoch=11, reason="timeout")]
+    run = dataclasses.replace(RUN_D, events=timed_out)
+    assert samples_without_round(run, 10, 13) == {**dict.fromkeys(NO_ROUND_CAUSES, 0), "timeout": 32}
+    assert samples_without_round(RUN_A, 10, 13) == dict.fromkeys(NO_ROUND_CAUSES, 0)  # its lost epoch was alone
+
+
 def test_round_completeness_is_the_share_of_values_averaged_in_rounds_with_groupmates():
     def round_of(group: int, weight: float, kept: int, dropped: int) -> dict:
         record = averaged("gradients", 1.0, weight, group, 0.5)
@@ -407,6 +431,7 @@ def test_summary_counts_joins_and_leaves_the_initial_peers_out():
     assert figures["join_phases_median_s"] == {"start_to_joined": None, "download": 1.0, "started_to_round": None}
     assert figures["goodput"] == pytest.approx(48 / 96)  # A alone computed and applied samples
     assert figures["samples_by_outcome"] == {**NOTHING, "applied": 0.5, "alone": 32 / 96, "unfinished": 16 / 96}
+    assert figures["no_round_by_cause"] == dict.fromkeys(NO_ROUND_CAUSES, 0.0)  # no epoch lost its round
 
 
 def test_leaves_saved_count_the_peers_told_to_leave_that_saved_their_state():
