@@ -15,7 +15,6 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import as_aiter
 
 from collab import events
 from collab.averagers import (
@@ -329,7 +328,16 @@ def test_a_part_for_a_group_this_peer_is_not_in_is_refused_at_once(averager_clas
                     stub = averager_class.get_stub(p2p, averager.peer_id, namespace=averager.prefix)
                     started = time.monotonic()
                     part = averaging_pb2.AveragingData(group_id=b"a group of others", weight=1.0)
-                    reply = await anext(await stub.rpc_aggregate_part(as_aiter(part)))
+                    replied = asyncio.Event()
+
+                    async def the_part_then_wait():
+                        # hivemind's client writes its end-of-stream marker once the parts run out: where the refusal
+                        # has closed the stream by then, that write breaks the pipe and the reply is lost with it
+                        yield part
+                        await replied.wait()
+
+                    reply = await anext(await stub.rpc_aggregate_part(the_part_then_wait()))
+                    replied.set()
                     return reply.code, time.monotonic() - started
                 finally:
                     await p2p.shutdown()
