@@ -327,6 +327,9 @@ class FiniteAveragingMixin:
     state_lag = None
     # In parameter averagers (an mp.Value(c_int)): how many catch-ups this peer has (re)started from old values.
     catch_ups = None
+    # In parameter averagers (an mp.Value(c_int)): parameter rounds this peer averaged with groupmates, each of which
+    # left it holding what they hold (``BoundedLoadOptimizer``'s bound on the updates a full member may have missed).
+    parameter_rounds_joined = None
     # in the averager's process, while this peer catches up: the flat spans of its values that no parameter round has
     # replaced with its groupmates' yet, for the (round size, ``catch_ups``) of ``_still_old_key``
     _still_old: list[tuple[int, int]] | None = None
@@ -448,6 +451,8 @@ class FiniteAveragingMixin:
         finally:
             self._size_part_timeout(runner)
         self.kept_local_last_round.value = runner.values_kept_local()
+        if self.round_kind == "parameter" and runner.group_size >= 2 and self.parameter_rounds_joined is not None:
+            self.parameter_rounds_joined.value += 1
         if lag and self.round_kind == "parameter":
             self._take_groupmates_values(runner)
 
@@ -530,6 +535,18 @@ def one_epoch_past_the_load(epoch_of_last_load: int | None, local_epoch: int, sw
     """Whether a peer still at the epoch its last load left it at sees the swarm one epoch past it: the case a load
     settles by taking the swarm's epoch, not by loading again."""
     return epoch_of_last_load is not None and local_epoch == epoch_of_last_load and swarm_epoch == local_epoch + 1
+
+
+def may_miss_one_update(
+    local_epoch: int, swarm_epoch: int, rounds_joined: int, rounds_at_last_miss: int | None
+) -> bool:
+    """Whether a peer that finds the swarm one epoch past it (its step ended after the swarm's next one) may take the
+    swarm's epoch without the update it missed, instead of downloading the whole state: only where a parameter round
+    with groupmates (``rounds_joined`` counts them) has averaged away its last such miss, so that it is never more
+    than one update apart from the swarm."""
+    if swarm_epoch != local_epoch + 1:
+        return False
+    return rounds_at_last_miss is None or rounds_joined > rounds_at_last_miss
 
 
 def catching_up_weight(round_kind: str, weight: float, lag: int) -> float:
@@ -800,6 +817,7 @@ class FiniteTrainingStateAverager(FiniteAveragingMixin, TrainingStateAverager, F
         self.state_lag = mp.Value(ctypes.c_int, 0)
         # bumped by the optimizer each time a catch-up (re)starts from old values: the rounds before count for nothing
         self.catch_ups = mp.Value(ctypes.c_int, 0)
+        self.parameter_rounds_joined = mp.Value(ctypes.c_int, 0)
         super().__init__(**kwargs)
 
     def swarm_epoch(self) -> int | None:
@@ -968,6 +986,9 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
 
     catching_up_since: float | None = None  # time.monotonic() when the catch-up began; None when a full member
     epoch_of_last_load: int | None = None  # the epoch a load of the state left this peer at; None: no load applied
+    # The state averager's ``parameter_rounds_joined`` when this peer last took the swarm's epoch as a full member
+    # without the update of the epoch it skipped (``may_miss_one_update``); None: it holds every update it knows of.
+    rounds_at_last_miss: int | None = None
     # How a peer takes a state one epoch behind the swarm's, at its load or at the first check after it: at the
     # swarm's epoch as a full member (False: one-step-old parameters, averaged back by the next parameter round two
     # epochs away) or catching up (True: the low-communication mode, whose anchor one outer step old would otherwise
@@ -1002,6 +1023,9 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
             takes_swarm_epoch = one_behind or (self.catching_up_since is not None and swarm_epoch > state_epoch)
             self._enter_epoch(swarm_epoch if takes_swarm_epoch else self.local_epoch)
             self.epoch_of_last_load = self.local_epoch if loaded else None
+            if loaded:
+                missed_one = one_behind and self.catching_up_since is None
+                self.rounds_at_last_miss = self._parameter_rounds_joined() if missed_one else None
 
     def _enter_epoch(self, epoch: int) -> None:
         """Train on at ``epoch`` from the parameters this peer holds, with nothing accumulated: the end of a load."""
@@ -1073,27 +1097,42 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         """hivemind's, except while catching up: then being epochs behind calls for no new download (it would end
         behind again), the next epoch's step takes the swarm's epoch and a parameter round its parameters.
 
-        And where the swarm is one epoch past the state a load left this peer at, the load's own rule for a state
-        one epoch old holds (``catches_up_from_one_epoch_behind``): it takes the swarm's epoch and trains on, as a
-        full member or catching up. The load reads the swarm's epoch from the DHT, which may not yet hold the record
-        of the first peer past it (on loaded machines stores took seconds); the step's check once an epoch then finds
-        it behind, and hivemind downloads the whole state again
-        (docs/benchmarks/2026-12-01-amd-epyc-2core-pair-match-and-swarm-start.md)."""
+        And where the swarm is one epoch past this peer, the load's own rule for a state one epoch old holds
+        (``catches_up_from_one_epoch_behind``): it takes the swarm's epoch and trains on, as a full member or
+        catching up, instead of downloading the whole state again as hivemind does. That happens in two ways:
+        - right after a load, which read the swarm's epoch from the DHT before the record of the first peer past it
+          was there (on loaded machines stores took seconds;
+          docs/benchmarks/2026-12-01-amd-epyc-2core-pair-match-and-swarm-start.md);
+        - right after its own step, which ended once the swarm had finished the next epoch (its delayed update waited
+          for a slow parameter round): a full member then lacks that one update, which the next parameter round
+          averages away, and may miss another only after one has (``may_miss_one_update``)."""
         if self.catching_up_since is not None:
             return False
         behind = super()._should_load_state_from_peers()
-        swarm_epoch = self.tracker.global_epoch
-        if behind and one_epoch_past_the_load(self.epoch_of_last_load, self.local_epoch, swarm_epoch):
-            if self.scheduled_grads is not None and not self.scheduled_grads.done():
-                self.scheduled_grads.cancel()  # a round of the state's epoch, which the swarm has averaged already
-            self.scheduled_grads = None
-            logger.log(self.status_loglevel, "The collaboration is one epoch past the state loaded: not loading again")
-            with self.tracker.pause_updates():
-                if self.catches_up_from_one_epoch_behind:
-                    self._begin_catching_up(self.local_epoch, swarm_epoch)
-                self._enter_epoch(swarm_epoch)
+        swarm_epoch, rounds_joined = self.tracker.global_epoch, self._parameter_rounds_joined()
+        if not behind:
             return False
-        return behind
+        if one_epoch_past_the_load(self.epoch_of_last_load, self.local_epoch, swarm_epoch):
+            after = "load"
+        elif may_miss_one_update(self.local_epoch, swarm_epoch, rounds_joined, self.rounds_at_last_miss):
+            after = "step"
+        else:
+            return True
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self.scheduled_grads.cancel()  # a round of this peer's epoch, which the swarm has averaged already
+        self.scheduled_grads = None
+        logger.log(self.status_loglevel, f"The collaboration is one epoch past this peer's {after}: not loading again")
+        events.emit("took_swarm_epoch", epoch=self.local_epoch, global_epoch=swarm_epoch, after=after)
+        with self.tracker.pause_updates():
+            if self.catches_up_from_one_epoch_behind:
+                self._begin_catching_up(self.local_epoch, swarm_epoch)
+            else:
+                self.rounds_at_last_miss = rounds_joined
+            self._enter_epoch(swarm_epoch)
+        return False
+
+    def _parameter_rounds_joined(self) -> int:
+        return self.state_averager.parameter_rounds_joined.value
 
     def is_synchronized_with_peers(self) -> bool:
         """hivemind's, and not while catching up: its epochs then contribute nothing to the swarm's."""

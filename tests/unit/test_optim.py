@@ -327,7 +327,8 @@ def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_e
     epoch, and the step's check once an epoch then finds the swarm one epoch past it. The peer takes the swarm's
     epoch, as the load does for a state one epoch old, instead of downloading the whole state again (hivemind's): as
     a full member in the synchronous mode, catching up (so asking for a parameter round) in the low-communication
-    mode. A peer that loaded nothing and one two epochs behind load again."""
+    mode. A peer that loaded nothing and has missed an update since its last parameter round, and one two epochs
+    behind, load again."""
     model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -342,6 +343,7 @@ def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_e
                 optimizer.epoch_of_last_load = epoch_of_last_load
                 return optimizer._should_load_state_from_peers()
 
+            optimizer.rounds_at_last_miss = optimizer._parameter_rounds_joined()
             assert loads_again(1, epoch_of_last_load=None) and optimizer.local_epoch == 0
             assert loads_again(2, epoch_of_last_load=0) and optimizer.local_epoch == 0
             assert not loads_again(1, epoch_of_last_load=0)
@@ -356,6 +358,49 @@ def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_e
             optimizer.shutdown()
     finally:
         dht.shutdown()
+
+
+def test_a_peer_one_epoch_behind_after_its_step_misses_one_update_until_a_parameter_round(tmp_path):
+    """A step that ended once the swarm had finished the next epoch (its delayed update waited for a slow parameter
+    round) leaves the peer one epoch behind at the step's check. In the synchronous mode it takes the swarm's epoch
+    as a full member without that update (``took_swarm_epoch``, no ``out_of_sync``), instead of downloading the whole
+    state as hivemind does; a second such miss before a parameter round with groupmates has averaged the first away
+    loads the state, and one after it does not. Two epochs behind always loads."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "past_the_step")
+        try:
+            optimizer.tracker.shutdown()  # its reads of the DHT would overwrite the swarm's epoch set below
+            rounds_joined = optimizer.state_averager.parameter_rounds_joined
+
+            def loads_again(swarm_epoch: int) -> bool:
+                optimizer.tracker.global_progress.epoch = swarm_epoch
+                optimizer.tracker.fetched_global_progress_this_epoch.set()
+                optimizer._should_check_synchronization_on_update = True  # hivemind's check, due once an epoch
+                return optimizer._should_load_state_from_peers()
+
+            assert not loads_again(1)
+            assert optimizer.local_epoch == 1 and optimizer.tracker.local_progress.epoch == 1
+            assert optimizer.catching_up_since is None and optimizer.is_synchronized_with_peers()
+            assert loads_again(2) and optimizer.local_epoch == 1, "a second update missed with no parameter round"
+            rounds_joined.value += 1  # as the state averager's process counts a parameter round with groupmates
+            assert not loads_again(2) and optimizer.local_epoch == 2
+            assert loads_again(4) and optimizer.local_epoch == 2
+        finally:
+            optimizer.shutdown()
+    finally:
+        events.open_event_log(None)
+        dht.shutdown()
+    written = [(record["event"], record.get("after")) for record in read_events(path)]
+    assert [entry for entry in written if entry[0] in ("took_swarm_epoch", "out_of_sync")] == [
+        ("took_swarm_epoch", "step"),
+        ("out_of_sync", None),
+        ("took_swarm_epoch", "step"),
+        ("out_of_sync", None),
+    ]
 
 
 @dataclasses.dataclass

@@ -379,10 +379,13 @@ def test_peers_whose_parameters_drifted_apart_agree_after_one_parameter_round():
             for dht, fill in ((first, 1.0), (second, 0.0))
         ]
         try:
+            assert [averager.parameter_rounds_joined.value for averager in averagers] == [0, 0]
             average_parameters_once(averagers)
             for averager in averagers:
                 for param in averager.main_parameters:
                     assert torch.equal(param, torch.full_like(param, 0.5)), "the peers do not hold their mean"
+            # what lets a peer that missed an update miss another (collab.averagers.may_miss_one_update)
+            assert [averager.parameter_rounds_joined.value for averager in averagers] == [1, 1]
         finally:
             for averager in averagers:
                 averager.shutdown()
