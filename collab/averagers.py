@@ -50,7 +50,7 @@ from typing import Any, AsyncIterator, NamedTuple  # noqa: UP035 (hivemind recog
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
@@ -1157,6 +1157,32 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
         return averager
 
 
+class AllReduceFinishingControl:
+    """A step's gradient round (its ``StepControl``) as the step waits for it: hivemind's ``control.result(
+    averaging_timeout)``, except that a round still in its all-reduce when that timeout runs out is waited for up to
+    ``allreduce_timeout`` more, within which the averager ends it either way.
+
+    hivemind's fallback to the local gradients waits for that all-reduce all the same: the round holds the averaged
+    tensors' lock to its end, and the fallback takes that lock to load the local gradients, which then overwrite the
+    averages the round wrote. The peer lost its groupmates' gradients and stepped apart from them, having waited as
+    long as their averages took. Every other attribute is the control's."""
+
+    def __init__(self, control: StepControl, allreduce_timeout: float | None):
+        self._control, self._allreduce_timeout = control, allreduce_timeout
+
+    def __getattr__(self, name: str):
+        return getattr(self._control, name)
+
+    def result(self, timeout: float | None = None):
+        try:
+            return self._control.result(timeout)
+        except (TimeoutError, concurrent.futures.TimeoutError):  # two classes until Python 3.11
+            if self._control.stage != AveragingStage.RUNNING_ALLREDUCE:
+                raise
+            logger.info("The gradient round is still in its all-reduce after %s s: waiting for its averages", timeout)
+            return self._control.result(self._allreduce_timeout)
+
+
 LEAVE_POLL_S = 0.1  # seconds between two looks at whether a peer waiting for its background update is asked to leave
 
 
@@ -1198,6 +1224,12 @@ class FiniteAveragingOptimizer(OptimizerEventsMixin, BoundedLoadOptimizer):
     def _maybe_schedule_gradient_averaging(self) -> None:
         if not self._is_leaving():
             super()._maybe_schedule_gradient_averaging()
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
+        """hivemind's, waiting for a round in its all-reduce to the end (``AllReduceFinishingControl``)."""
+        if maybe_step_control is not None:
+            maybe_step_control = AllReduceFinishingControl(maybe_step_control, self.allreduce_timeout)
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         """hivemind's, once the last epoch's background update (its optimizer step and parameter round) has finished.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import hivemind
 import torch
@@ -82,9 +82,14 @@ def matched_averager(
 
 
 def steps_matched_in_advance(
-    averagers: Sequence[DecentralizedAverager], tries: int = 3, patience: float = 12.0, **step_kwargs
+    averagers: Sequence[DecentralizedAverager],
+    tries: int = 3,
+    patience: float = 12.0,
+    schedule: Callable[[DecentralizedAverager], StepControl] | None = None,
+    **step_kwargs,
 ) -> list[StepControl]:
-    """One step of each averager, all in one group and waiting for their triggers (``require_trigger``). A try not
+    """One step of each averager, all in one group and waiting for their triggers (``require_trigger``; ``schedule``
+    makes each step where given, as ``GradientAverager.schedule_step`` does for a gradient round). A try not
     matched within ``patience`` seconds, or in which a step ended, is cancelled for all and made again: on a loaded
     machine a follower whose leader answers after ``request_timeout`` leaves while the leader counts it, and then the
     leader waits for its trigger in a group without it while the follower looks for a group until its step's deadline
@@ -92,7 +97,10 @@ def steps_matched_in_advance(
     try changes none of their figures; after ``tries`` the last try's stages are raised."""
     outcomes: list[str] = []
     for _ in range(tries):
-        controls = [averager.step(require_trigger=True, wait=False, **step_kwargs) for averager in averagers]
+        if schedule is None:
+            controls = [averager.step(require_trigger=True, wait=False, **step_kwargs) for averager in averagers]
+        else:
+            controls = [schedule(averager) for averager in averagers]
 
         def matched() -> bool:
             return all(control.stage == AveragingStage.AWAITING_TRIGGER for control in controls)  # noqa: B023

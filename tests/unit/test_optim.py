@@ -12,6 +12,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from torch_optimizer import Lamb
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2Config
 
@@ -39,6 +40,7 @@ from collab.optim import (
     parameter_groups,
     scheduler_factory,
 )
+from tests.local_dht import steps_matched_in_advance, two_dhts
 from trainer.model import tiny_bert_config
 
 
@@ -636,3 +638,61 @@ def test_a_gradient_round_that_outlasts_the_averaging_timeout_is_written_as_roun
     finally:
         events.open_event_log(None)
         dht.shutdown()
+
+
+def synchronous_peer(dht: hivemind.DHT, prefix: str, part_timeout: float):
+    """A tiny BERT and the trainer's synchronous-mode optimizer with its own progress key (two in one process)."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    optimizer = build_optimizer(
+        model,
+        dht,
+        PeerArguments(experiment_prefix=prefix),
+        OptimizerArguments(target_batch_size=8, matchmaking_time=2.0, next_chunk_timeout=part_timeout),
+        AveragerArguments(),
+        ProgressTrackerArguments(),
+        TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+        tracker_private_key=RSAPrivateKey(),
+    )
+    return model, optimizer
+
+
+@pytest.mark.timeout(240)
+def test_a_gradient_round_still_in_its_all_reduce_after_the_averaging_timeout_gives_its_averages(tmp_path):
+    """A and B match a gradient round in advance; B starts its part LATE seconds after A, within the part timeout but
+    after A's averaging timeout (1 s), so A's round is in its all-reduce when A's step stops waiting for it. hivemind
+    then fell back to A's local gradients (zeros here) once the round let go of the tensors, and overwrote the
+    average that B applied too; A now takes the round's average of its zeros and B's twos, and writes no
+    ``round_failed``."""
+    late, part_timeout = 4.0, 30.0
+    prefix = f"allreducelate{time.time_ns()}"
+    path = tmp_path / "events.jsonl"
+    events.open_event_log(path)
+    with two_dhts() as dhts:
+        peers = [synchronous_peer(dht, prefix, part_timeout) for dht in dhts]
+        try:
+            for (model, optimizer), value in zip(peers, (0.0, 2.0), strict=True):
+                for param in model.parameters():
+                    param.grad = torch.full_like(param, value)
+                optimizer.grad_averager.accumulate_grads_(batch_size=1)
+            (_, a), (_, b) = peers
+            controls = steps_matched_in_advance(
+                [a.grad_averager, b.grad_averager], schedule=lambda averager: averager.schedule_step(timeout=60)
+            )
+            a.averaging_timeout = 1.0
+            a.grad_averager.step(control=controls[0], wait=False)
+            b_starts = threading.Timer(late, b.grad_averager.step, kwargs=dict(control=controls[1], wait=False))
+            b_starts.start()
+            began = time.monotonic()
+            a._average_gradients_and_load_into_optimizer(controls[0])
+            waited = time.monotonic() - began
+            b_starts.join()
+            with a.grad_averager.get_tensors() as averaged:
+                values = torch.cat([tensor.flatten() for tensor in averaged])
+            assert controls[0].done() and controls[0].exception() is None, controls[0]
+            assert late - 1.0 <= waited < part_timeout, waited
+            assert read_events(path, "round_failed") == []
+            assert torch.all(values == 1.0), values.unique()  # the mean of 0 and 2, one sample each
+        finally:
+            events.open_event_log(None)
+            for _, optimizer in peers:
+                optimizer.shutdown()
