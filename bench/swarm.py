@@ -76,9 +76,12 @@ JOIN_GOAL = 1.5  # join_seconds_vs_bound's goal
 # state_loaded counts the state in memory (fp32); downloads carry it in fp16 (load_state_compression), half as many
 # bytes: the bound is the time of those through the link.
 STATE_WIRE_FRACTION = 0.5
-# A join killed (or ended by the run) before JOIN_GOAL x its bound plus this allowance after its joined event had no
-# fair chance: the allowance covers what the bound leaves out, the wait for the epoch's end and a round.
+# A join killed (or ended by the run) before JOIN_GOAL x its bound plus an allowance after its joined event had no
+# fair chance: the allowance covers what the bound leaves out, the wait for the epoch's end and a round, so it is this
+# many of the swarm's median epochs, and at least STARTUP_ALLOWANCE_S (sized when epochs took 31-35 s; on a host
+# where they took 60 s a newcomer ended 90 s after joining was still in its first epoch, and counted as failed).
 STARTUP_ALLOWANCE_S = 60.0
+EPOCHS_TO_A_FIRST_ROUND = 2
 # With --joins_in_flight, a newcomer still not productive this long after its fair chance leaves: a failed join,
 # whose slot goes to the next newcomer. Three averaging timeouts (60 s): a first round caught in a round that timed
 # out gets more, as a newcomer of the churn schedule (alive some eight epochs) does.
@@ -411,9 +414,10 @@ def loaded_bytes(run: PeerRun) -> int | None:
     return next((record["bytes"] for record in run.events if record["event"] == "state_loaded"), None)
 
 
-def fair_chance_s(bound_s: float) -> float:
-    """How long a join must have run before a failure to become productive counts against it."""
-    return JOIN_GOAL * bound_s + STARTUP_ALLOWANCE_S
+def fair_chance_s(bound_s: float, epoch_s: float = 0.0) -> float:
+    """How long a join must have run before a failure to become productive counts against it, in a swarm whose median
+    epoch lasts ``epoch_s`` (0: not known yet)."""
+    return JOIN_GOAL * bound_s + max(STARTUP_ALLOWANCE_S, EPOCHS_TO_A_FIRST_ROUND * epoch_s)
 
 
 def joined_at(run: PeerRun) -> float:
@@ -421,32 +425,33 @@ def joined_at(run: PeerRun) -> float:
     return next((record["time"] for record in run.events if record["event"] == "joined"), run.started)
 
 
-def fair_chance_ends(run: PeerRun, state_bytes: int | None) -> float:
+def fair_chance_ends(run: PeerRun, state_bytes: int | None, epoch_s: float = 0.0) -> float:
     """When (Unix time) the join's fair chance ends: ``fair_chance_s`` of its own state's download bound, or of the
     swarm's ``state_bytes`` for a run that has not downloaded one, from its ``joined_at``: the Python start-up before
     it is the host's CPU (70-90 s on two cores running 17 peers), not the join's, as for ``join_seconds_vs_bound``."""
     size = loaded_bytes(run) or state_bytes
-    return joined_at(run) + fair_chance_s(transfer_bound_s(size, run.download_mbit) if size else 0.0)
+    return joined_at(run) + fair_chance_s(transfer_bound_s(size, run.download_mbit) if size else 0.0, epoch_s)
 
 
-def join_outcome(run: PeerRun, state_bytes: int | None, grace_s: float = 0.0) -> bool | None:
+def join_outcome(run: PeerRun, state_bytes: int | None, grace_s: float = 0.0, epoch_s: float = 0.0) -> bool | None:
     """True when the join became productive, False when it did not though it had a fair chance and ``grace_s`` more
     (or exited by itself), None when the schedule or the run's end stopped it before (it counts neither way).
     ``state_bytes`` is the swarm's state size, for a run that died before its own download ended; ``grace_s`` is the
-    plan's wait past the fair chance before it gives a join up (``GIVE_UP_AFTER_S`` with ``--joins_in_flight``)."""
+    plan's wait past the fair chance before it gives a join up (``GIVE_UP_AFTER_S`` with ``--joins_in_flight``);
+    ``epoch_s`` the swarm's median epoch (``fair_chance_s``)."""
     if first_contribution(run) is not None:
         return True
     if run.ended_by == "exit":
         return False
     ended = run.ended if run.ended is not None else math.inf
-    return None if ended < fair_chance_ends(run, state_bytes) + grace_s else False
+    return None if ended < fair_chance_ends(run, state_bytes, epoch_s) + grace_s else False
 
 
-def newcomer_verdict(run: PeerRun, state_bytes: int | None, now: float) -> str | None:
+def newcomer_verdict(run: PeerRun, state_bytes: int | None, now: float, epoch_s: float = 0.0) -> str | None:
     """What becomes of a live newcomer under ``--joins_in_flight``: its ``join_outcome`` were it ended ``now`` with
     the plan's grace, ``GIVE_UP_AFTER_S``: "productive" once it had an own round, "gave up" once that grace is over
     without one (it leaves either way), None meanwhile."""
-    outcome = join_outcome(dataclasses.replace(run, ended=now), state_bytes, GIVE_UP_AFTER_S)
+    outcome = join_outcome(dataclasses.replace(run, ended=now), state_bytes, GIVE_UP_AFTER_S, epoch_s)
     return None if outcome is None else "productive" if outcome else "gave up"
 
 
@@ -512,9 +517,10 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0
     sizes = [size for size in map(loaded_bytes, runs) if size]
     state_bytes = int(statistics.median(sizes)) if sizes else None
     joins = [run for run in runs if run.kind != "initial"]
-    outcomes = [join_outcome(run, state_bytes, grace_s) for run in joins]
-    ratios = sorted(r for r in map(join_seconds_vs_bound, joins) if r is not None)
     durations = epoch_durations(epoch_starts(runs), first, last)
+    epoch_s = statistics.median(durations) if durations else 0.0
+    outcomes = [join_outcome(run, state_bytes, grace_s, epoch_s) for run in joins]
+    ratios = sorted(r for r in map(join_seconds_vs_bound, joins) if r is not None)
     computed = sum(computed_samples(run, first, last) for run in runs)
     applied = sum(applied_samples(run, first, last) for run in runs)
     tried = sum(outcome is not None for outcome in outcomes)
@@ -540,7 +546,7 @@ def summarize(runs: Sequence[PeerRun], first: int, last: int, grace_s: float = 0
         "join_seconds_vs_bound_max": ratios[-1] if ratios else None,
         "join_phases_median_s": medians,
         "stalls": stall_count(durations),
-        "epoch_median_s": statistics.median(durations) if durations else None,
+        "epoch_median_s": epoch_s if durations else None,
         "epoch_max_s": max(durations, default=None),
         "epochs_measured": len(durations),
         "samples_computed": computed,
@@ -638,6 +644,7 @@ class Swarm:
         self.runs: list[PeerRun] = []
         self.files: dict[str, tuple[Path, Path]] = {}  # run name -> its events and steps files
         self.epoch = -1  # the swarm's global epoch: the highest any peer reached
+        self.epoch_starts: dict[int, float] = {}  # global epoch -> when a peer first reached it (its event's time)
         self.pending_restarts: dict[int, int] = {}  # rank -> global epoch: regular peers that exited by themselves
         self.counts = {"kills": 0, "restarts": 0, "newcomers": 0, "leaves": 0, "exits": 0, "gave_up": 0}
         self.slots: dict[str, int] = {}  # newcomer -> its slot
@@ -734,7 +741,8 @@ class Swarm:
         their place."""
         for key in [key for key in self.live if key in self.slots]:
             process, run, tail = self.live[key]
-            verdict = newcomer_verdict(dataclasses.replace(run, events=tail.records), self.state_bytes, time.time())
+            run_now = dataclasses.replace(run, events=tail.records)
+            verdict = newcomer_verdict(run_now, self.state_bytes, time.time(), self.epoch_median_s())
             if verdict is not None:
                 self.end(key, "leave")
                 self.counts["leaves"] += 1
@@ -744,6 +752,12 @@ class Swarm:
             key = f"new{self.counts['newcomers']}"
             self.arrive(key)
             self.say(f"newcomer {key}")
+
+    def epoch_median_s(self) -> float:
+        """The median of the global epochs seen so far (0 before two have begun): a newcomer's fair chance is sized
+        by it during the run as ``summarize`` sizes it at the end."""
+        durations = epoch_durations(self.epoch_starts, min(self.epoch_starts, default=0), self.epoch)
+        return statistics.median(durations) if durations else 0.0
 
     def free_namespace(self, index: int) -> None:
         """SIGKILL a leaver still shutting down in namespace ``index``: its slot is wanted."""
@@ -759,6 +773,8 @@ class Swarm:
             for record in tail.read():
                 if record["event"] == "epoch":
                     self.epoch = max(self.epoch, record["epoch"])
+                    started = self.epoch_starts.get(record["epoch"], math.inf)
+                    self.epoch_starts[record["epoch"]] = min(started, record["time"])
                 if record["event"] == "state_loaded" and self.state_bytes is None:
                     self.state_bytes = record["bytes"]
             if not process.running():

@@ -328,6 +328,31 @@ def test_join_outcomes_and_their_time_over_the_bound():
     assert join_outcome(no_download, None) is True and join_seconds_vs_bound(no_download) is None
 
 
+def test_a_joins_fair_chance_spans_two_of_the_swarms_epochs_where_they_are_long():
+    """The allowance past the download's bound is the wait for the epoch's end and a round: at least 60 s, and two
+    median epochs where they last longer. A newcomer ended 90 s after joining a swarm of 60-s epochs had no fair
+    chance yet (a run on a slower host counted one as failed); 127 s after, it had."""
+    assert swarm.fair_chance_s(4.0) == pytest.approx(66.0)
+    assert swarm.fair_chance_s(4.0, epoch_s=25.0) == pytest.approx(66.0)
+    assert swarm.fair_chance_s(4.0, epoch_s=60.0) == pytest.approx(126.0)
+    # the swarm's 12.5 MB at 25 Mbit/s: a bound of 4 s
+    ended_early = joiner("newcomer", 100.0, 25.0, 270.0, "end", [ev("joined", 180.0), LOADED])
+    assert join_outcome(ended_early, 12_500_000) is False
+    assert join_outcome(ended_early, 12_500_000, epoch_s=60.0) is None
+    assert join_outcome(dataclasses.replace(ended_early, ended=307.0), 12_500_000, epoch_s=60.0) is False
+    # at the run's end it is the measured epochs' median that sizes it: epochs of 60 s from 0 to 300 s
+    clock = PeerRun(
+        "peer0.0",
+        "initial",
+        0.0,
+        50.0,
+        events=[ev("started", 0.0, epoch=0)]
+        + [ev("epoch", 60.0 * e, epoch=e, samples=32, published=True) for e in range(1, 6)],
+    )
+    assert summarize([clock, ended_early], 0, 5)["joins_without_fair_chance"] == 1
+    assert summarize([clock, dataclasses.replace(ended_early, ended=307.0)], 0, 5)["join_tries"] == 1
+
+
 def test_a_newcomer_in_flight_leaves_once_productive_or_three_minutes_after_its_fair_chance():
     # 12.5 MB at 10 Mbit/s (1.25 MB/s): a bound of 10 s, a fair chance of 1.5 x 10 + 60 = 75 s from joining at 104 s,
     # given up 180 s later
