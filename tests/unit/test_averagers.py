@@ -7,17 +7,19 @@ import contextlib
 import gc
 import logging
 import time
+from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
 import pytest
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import averaging_pb2
 
 from collab import events
 from collab.averagers import (
+    ALLREDUCE_END_SHARE,
     FiniteAllReduceRunner,
     FiniteAverager,
     FiniteGradientAverager,
@@ -27,7 +29,7 @@ from collab.averagers import (
 )
 from collab.compression import WireAveragerMixin
 from tests.hivemind_patches import entry_point_patches_applied
-from tests.local_dht import steps_matched_in_advance, two_dhts
+from tests.local_dht import step_outcome, steps_matched_in_advance, two_dhts
 from trainer.local import wait_until
 
 TENSOR_SIZES = (1000, 24)  # values; several parts per reducer with the small part size below
@@ -487,3 +489,57 @@ def test_a_departing_peer_hears_from_the_groupmates_of_its_last_round_and_never_
             for averager in pair:
                 if averager.is_alive():
                     averager.shutdown()
+
+
+class SlowReplies(FiniteAverager):
+    """A groupmate whose averages of the span it reduces go back ``REPLY_DELAY_S`` late each, within the reducer
+    timeout: a reducer on a loaded machine or a slow link, which answers too slowly for the round's time."""
+
+    REPLY_DELAY_S = 12.0
+    _rpc_handlers = None  # hivemind caches each class's handlers: FiniteAverager's would hide this one
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(stream, context):
+            await asyncio.sleep(self.REPLY_DELAY_S)
+            yield message
+
+
+@pytest.mark.timeout(120)
+def test_a_round_whose_time_runs_out_keeps_the_averages_that_came():
+    """A (allreduce_timeout 10 s) and B match a round, each reducing half of the values; B answers A's parts of its
+    half 12 s late, within the reducer timeout (2 x 8 s). hivemind cancelled A's round at 10 s: A got no average,
+    not even of the half it reduces itself. A's round now ends at 0.9 x 10 s with that half averaged and its own
+    values in B's half."""
+    timeout = 10.0
+    options = dict(
+        prefix="time_runs_out",
+        **PAIR_MATCHMAKING,
+        next_chunk_timeout=8.0,
+        bandwidth=100.0,  # an even split of the values between the two reducers
+        part_size_bytes=PART_SIZE_BYTES,
+        start=True,
+    )
+    with entry_point_patches_applied(), two_dhts() as dhts:
+        a = FiniteAverager([torch.zeros(1000)], dht=dhts[0], allreduce_timeout=timeout, **options)
+        b = SlowReplies([torch.zeros(1000)], dht=dhts[1], allreduce_timeout=60.0, **options)
+        pair = [a, b]
+        try:
+            for averager, value in zip(pair, (0.0, 2.0), strict=True):
+                fill(averager, value)
+            controls = steps_matched_in_advance(pair, timeout=30, allow_retries=False)
+            started = time.monotonic()
+            for control in controls:
+                control.allow_allreduce()
+            wait_until(controls[0].done, 30, "A's round to end")
+            ended = time.monotonic() - started
+            assert controls[0].exception() is None, step_outcome(controls[0])
+            assert ALLREDUCE_END_SHARE * timeout - 1.0 <= ended < SlowReplies.REPLY_DELAY_S, ended
+            with a.get_tensors() as (tensor,):
+                averaged, own = int((tensor == 1.0).sum()), int((tensor == 0.0).sum())
+            assert averaged + own == 1000 and 400 <= averaged <= 600, (averaged, own)
+            assert a.kept_local_last_round.value == own
+        finally:
+            for averager in pair:
+                averager.shutdown()
