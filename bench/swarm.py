@@ -396,6 +396,14 @@ def epoch_durations(starts: dict[int, float], first: int, last: int) -> list[flo
     return [starts[e + 1] - starts[e] for e in range(first, last) if e in starts and e + 1 in starts]
 
 
+def truncated_window_end(planned: int | None, reached: int) -> int:
+    """The end (exclusive) of the measured window of a run stopped early once the swarm reached global epoch
+    ``reached``: its last epoch has ``SETTLE_EPOCHS`` after it, as in a whole run. Cut at ``reached``, the rounds of
+    the epoch just before it were still running at the stop and counted as lost
+    (docs/benchmarks/2026-12-07-amd-epyc-2core-swarm-round-timeouts.md)."""
+    return min(planned if planned is not None else reached, reached - SETTLE_EPOCHS)
+
+
 def stall_count(durations: Sequence[float]) -> int:
     """Epochs that took over ``STALL_FACTOR`` times the median epoch."""
     if not durations:
@@ -889,7 +897,7 @@ def run(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict:
                 truncated = str(e)
                 progress(f"stopped early: {e}")
                 if first is not None:
-                    last = min(last or math.inf, swarm.epoch)
+                    last = truncated_window_end(last, swarm.epoch)
             swarm.finish()
             monitor_alive = monitor.running()
     grace = GIVE_UP_AFTER_S if plan.joins_in_flight else 0.0  # the run's end judges a join as the plan would

@@ -328,6 +328,13 @@ def test_join_outcomes_and_their_time_over_the_bound():
     assert join_outcome(no_download, None) is True and join_seconds_vs_bound(no_download) is None
 
 
+def test_a_run_stopped_early_measures_up_to_an_epoch_that_had_one_more_after_it():
+    # stopped at epoch 43 (its deadline), 60 planned from epoch 2: epochs 2 to 41, as a whole run settles its last
+    assert swarm.truncated_window_end(62, 43) == 42
+    assert swarm.truncated_window_end(None, 43) == 42  # stopped before the window's end was set
+    assert swarm.truncated_window_end(10, 43) == 10  # stopped while settling: the planned window holds
+
+
 def test_a_joins_fair_chance_spans_two_of_the_swarms_epochs_where_they_are_long():
     """The allowance past the download's bound is the wait for the epoch's end and a round: at least 60 s, and two
     median epochs where they last longer. A newcomer ended 90 s after joining a swarm of 60-s epochs had no fair
