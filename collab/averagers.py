@@ -492,17 +492,14 @@ class FiniteAveragingMixin:
         if lag and self.round_kind == "parameter":
             self._take_groupmates_values(runner)
 
-    async def _aggregate_with_group(self, *args, **kwargs):
-        self._allreduce_began = time.monotonic()  # hivemind's allreduce_timeout counts from here (its wait_for)
-        return await super()._aggregate_with_group(*args, **kwargs)
-
     def _round_ends_by(self) -> float | None:
-        """When this round's all-reduce ends with the averages that came (``FiniteAllReduceRunner.ends_by``):
-        ``ALLREDUCE_END_SHARE`` of ``allreduce_timeout`` after it began, ahead of hivemind's cancel at the whole."""
-        began = getattr(self, "_allreduce_began", None)
-        if self._allreduce_timeout is None or began is None:
+        """When this round's all-reduce, beginning now, ends with the averages that came (``FiniteAllReduceRunner
+        .ends_by``): ``ALLREDUCE_END_SHARE`` of ``allreduce_timeout`` from now, ahead of hivemind's cancel of the whole
+        (counted from moments before). Stamped here, not in an override of ``_aggregate_with_group``, whose frame
+        would stand in the traceback hivemind logs of every failed all-reduce."""
+        if self._allreduce_timeout is None:
             return None
-        return began + ALLREDUCE_END_SHARE * self._allreduce_timeout
+        return time.monotonic() + ALLREDUCE_END_SHARE * self._allreduce_timeout
 
     def _take_groupmates_values(self, runner: FiniteAllReduceRunner) -> None:
         """After a parameter round of this peer catching up: its values that came from groupmates are the swarm's,
