@@ -1163,8 +1163,10 @@ class BoundedLoadOptimizer(hivemind.Optimizer):
             after = "step"
         else:
             return True
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self.scheduled_grads.cancel()  # a round of this peer's epoch, which the swarm has averaged already
+        # A round pre-scheduled for the epoch skipped is given up; the round its own step triggered is left to the
+        # delayed update that waits for it, which its groupmates share.
+        if self.scheduled_grads is not None and not self.scheduled_grads.triggered and not self.scheduled_grads.done():
+            self.scheduled_grads.cancel()
         self.scheduled_grads = None
         logger.log(self.status_loglevel, f"The collaboration is one epoch past this peer's {after}: not loading again")
         events.emit("took_swarm_epoch", epoch=self.local_epoch, global_epoch=swarm_epoch, after=after)

@@ -324,6 +324,15 @@ def test_a_rollback_during_a_catch_up_restarts_its_count_of_values_replaced():
         dht.shutdown()
 
 
+def loads_at_check(optimizer, swarm_epoch: int) -> bool:
+    """The step's check of synchronization (hivemind's, due once an epoch) with the swarm at ``swarm_epoch``; the
+    optimizer's tracker must be shut down, or its reads of the DHT would overwrite that epoch."""
+    optimizer.tracker.global_progress.epoch = swarm_epoch
+    optimizer.tracker.fetched_global_progress_this_epoch.set()
+    optimizer._should_check_synchronization_on_update = True
+    return optimizer._should_load_state_from_peers()
+
+
 def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_epoch():
     """A load that read the swarm's epoch before the first peer past it was in the DHT leaves the peer at the state's
     epoch, and the step's check once an epoch then finds the swarm one epoch past it. The peer takes the swarm's
@@ -339,11 +348,8 @@ def test_a_peer_one_epoch_behind_right_after_its_load_trains_on_at_the_swarm_s_e
             optimizer.tracker.shutdown()  # its reads of the DHT would overwrite the swarm's epoch set below
 
             def loads_again(swarm_epoch: int, epoch_of_last_load: int | None) -> bool:
-                optimizer.tracker.global_progress.epoch = swarm_epoch
-                optimizer.tracker.fetched_global_progress_this_epoch.set()
-                optimizer._should_check_synchronization_on_update = True  # hivemind's check, due once an epoch
                 optimizer.epoch_of_last_load = epoch_of_last_load
-                return optimizer._should_load_state_from_peers()
+                return loads_at_check(optimizer, swarm_epoch)
 
             optimizer.rounds_at_last_miss = optimizer._parameter_rounds_joined()
             assert loads_again(1, epoch_of_last_load=None) and optimizer.local_epoch == 0
@@ -378,19 +384,13 @@ def test_a_peer_one_epoch_behind_after_its_step_misses_one_update_until_a_parame
             optimizer.tracker.shutdown()  # its reads of the DHT would overwrite the swarm's epoch set below
             rounds_joined = optimizer.state_averager.parameter_rounds_joined
 
-            def loads_again(swarm_epoch: int) -> bool:
-                optimizer.tracker.global_progress.epoch = swarm_epoch
-                optimizer.tracker.fetched_global_progress_this_epoch.set()
-                optimizer._should_check_synchronization_on_update = True  # hivemind's check, due once an epoch
-                return optimizer._should_load_state_from_peers()
-
-            assert not loads_again(1)
+            assert not loads_at_check(optimizer, 1)
             assert optimizer.local_epoch == 1 and optimizer.tracker.local_progress.epoch == 1
             assert optimizer.catching_up_since is None and optimizer.is_synchronized_with_peers()
-            assert loads_again(2) and optimizer.local_epoch == 1, "a second update missed with no parameter round"
+            assert loads_at_check(optimizer, 2) and optimizer.local_epoch == 1, "a second miss with no parameter round"
             rounds_joined.value += 1  # as the state averager's process counts a parameter round with groupmates
-            assert not loads_again(2) and optimizer.local_epoch == 2
-            assert loads_again(4) and optimizer.local_epoch == 2
+            assert not loads_at_check(optimizer, 2) and optimizer.local_epoch == 2
+            assert loads_at_check(optimizer, 4) and optimizer.local_epoch == 2
         finally:
             optimizer.shutdown()
     finally:
@@ -403,6 +403,34 @@ def test_a_peer_one_epoch_behind_after_its_step_misses_one_update_until_a_parame
         ("took_swarm_epoch", "step"),
         ("out_of_sync", None),
     ]
+
+
+def test_a_peer_that_takes_the_swarm_s_epoch_after_its_step_leaves_that_step_s_round_running():
+    """The step that ended one epoch behind triggered its gradient round, which its delayed update still waits for
+    with its groupmates in the all-reduce: taking the swarm's epoch at the next check must not cancel it (the update
+    then fell back to the local gradients, and hivemind raised InvalidStateError as the round ended). A round only
+    pre-scheduled for the epoch the peer skips is cancelled."""
+    model = AutoModelForMaskedLM.from_config(tiny_bert_config(100))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        optimizer = optimizer_with_defaults(model, dht, "past_the_step_round")
+        try:
+            optimizer.tracker.shutdown()
+            steps_round = pending_step_control()
+            steps_round.allow_allreduce()
+            optimizer.scheduled_grads = steps_round
+            assert not loads_at_check(optimizer, 1) and optimizer.local_epoch == 1
+            assert not steps_round.done() and optimizer.scheduled_grads is None
+            skipped_round = pending_step_control()
+            optimizer.scheduled_grads = skipped_round
+            optimizer.state_averager.parameter_rounds_joined.value += 1
+            assert not loads_at_check(optimizer, 2) and optimizer.local_epoch == 2
+            assert skipped_round.cancelled() and optimizer.scheduled_grads is None
+            steps_round.set_result([])
+        finally:
+            optimizer.shutdown()
+    finally:
+        dht.shutdown()
 
 
 @dataclasses.dataclass
