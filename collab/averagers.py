@@ -37,6 +37,7 @@ import ctypes
 import logging
 import math
 import multiprocessing as mp
+import os
 import random
 import threading
 import time
@@ -156,6 +157,7 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
         self.started = time.monotonic()
         self.sender_starts: dict[PeerID, float] = {}  # seconds after this peer's start that each sender's part came
         self.over = asyncio.Event()  # set once this peer needs nothing more from its groupmates in this round
+        self._exchanges: dict[PeerID, asyncio.Task] = {}  # the task exchanging each reducer's span
 
     def finalize(self, **kwargs) -> None:
         super().finalize(**kwargs)  # run() calls it once its outputs are in, and on every failure or cancel
@@ -212,6 +214,7 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
         average, the spans that came in full included (a round of the 16-peer swarm lost 74 % of its results so).
         Ended a little before, the round keeps the averages it got and this peer its own values for the rest of
         that span, as for a reducer that failed."""
+        self._exchanges[peer_id] = asyncio.current_task()
         if self.ends_by is None:
             return await self._exchange_span(peer_id)
         try:
@@ -314,6 +317,7 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
 
     async def run(self):
         offset = 0
+        overdue = None if self.ends_by is None else asyncio.create_task(self._report_overdue_spans())
         try:
             async for delta in super().run():
                 delta, replaced = keep_local_where_non_finite(delta)
@@ -322,8 +326,58 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
                     self._kept_local_spans.append((offset, offset + delta.numel()))
                 offset += delta.numel()
                 yield delta
+        except asyncio.CancelledError:
+            self._report_cancelled_whole()
+            raise
         finally:
+            if overdue is not None:
+                overdue.cancel()
             self._report_dropped(self.non_finite_kept_local)
+
+    def _spans_missing(self) -> list[PeerID]:
+        """The groupmates (this peer included) whose spans' averages are not all in yet."""
+        container = self.tensor_part_container
+        return [
+            peer_id
+            for index, peer_id in enumerate(self.ordered_peer_ids)
+            if container._outputs_registered_by_peer[index] < container.num_parts_by_peer[index]
+        ]
+
+    def _name(self, peer_id: PeerID) -> str:
+        return "this peer" if peer_id == self.peer_id else str(peer_id)
+
+    async def _report_overdue_spans(self) -> None:
+        """One WARNING if spans are still missing ``OVERDUE_REPORT_S`` after ``ends_by``, where each one's exchange
+        waits: the ends at ``ends_by`` should have filled them (what held them is not known yet)."""
+        await asyncio.sleep(max(0.0, self.ends_by - time.monotonic()) + OVERDUE_REPORT_S)
+        missing = self._spans_missing()
+        if missing:
+            logger.warning(
+                "%s round: %.1f s past its end, the averages of the span(s) of %s are not in (%s)",
+                self.round_kind.capitalize(),
+                time.monotonic() - self.ends_by,
+                ", ".join(map(self._name, missing)),
+                "; ".join(
+                    f"{self._name(peer_id)}: {where_waiting(self._exchanges.get(peer_id))}" for peer_id in missing
+                ),
+            )
+
+    def _report_cancelled_whole(self) -> None:
+        """One WARNING where hivemind cancelled the round (its allreduce_timeout, the step given up, a shutdown)
+        before every span's averages were in: whose were missing, and when this round's own end (``ends_by``) was
+        due. Due well before the cancel, it says the event loop ran that late (a loaded machine)."""
+        missing = self._spans_missing()
+        if not missing:
+            return
+        now = time.monotonic()
+        due = "" if self.ends_by is None else f"; its own end was due {now - self.ends_by:.1f} s before"
+        logger.warning(
+            "%s round: cancelled whole %.1f s after it began, before the averages of the span(s) of %s were in%s",
+            self.round_kind.capitalize(),
+            now - self.started,
+            ", ".join(map(self._name, missing)),
+            due,
+        )
 
     def _report_dropped(self, kept_local: int) -> None:
         refused = [str(self.sender_peer_ids[index]) for index in sorted(self.tensor_part_reducer.refused_senders)]
@@ -337,6 +391,36 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
                 kept_local,
             )
             events.emit("refused", kind=f"{self.round_kind}s", groupmates=len(refused), kept_local=kept_local)
+
+
+# Seconds past a round's end (``ends_by``) after which spans still missing are reported with where they wait.
+OVERDUE_REPORT_S = 2.0
+ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
+
+
+def where_waiting(task: asyncio.Task | None) -> str:
+    """Where ``task`` waits: the innermost frame outside asyncio's own code in its chain of awaits that can be
+    followed (into the task that ``asyncio.wait_for`` runs, not into an async generator), as ``file:line function``;
+    or that it ended."""
+    if task is None:
+        return "no exchange began"
+    if task.done():
+        return "ended" if task.cancelled() or task.exception() is None else f"ended with {task.exception()!r}"
+    awaitable, frame = task.get_coro(), None
+    for _ in range(64):  # a bound on the chain, not a limit met in practice
+        inner_frame = getattr(awaitable, "cr_frame", None)
+        if inner_frame is None:
+            break
+        if not inner_frame.f_code.co_filename.startswith(ASYNCIO_DIR):
+            frame = inner_frame
+        awaitable = awaitable.cr_await
+        if inner_frame.f_code is asyncio.wait_for.__code__ and isinstance(
+            inner_frame.f_locals.get("fut"), asyncio.Task
+        ):
+            awaitable = inner_frame.f_locals["fut"].get_coro()  # the task that asyncio.wait_for runs
+    if frame is None:
+        return "waiting"
+    return f"waiting in {frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
 # The share of allreduce_timeout after which a round ends with the averages it got: hivemind cancels the round at the
@@ -382,6 +466,7 @@ class FiniteAveragingMixin:
         self.kept_local_last_round = mp.Value(ctypes.c_long, 0)
         # (group ID, its peers, time.monotonic() at its start) of the last round, set in the averager's process
         self._last_group: tuple[bytes, tuple[PeerID, ...], float] | None = None
+        self._allreduce_began: dict[bytes, float] = {}  # group ID -> time.monotonic() as its all-reduce began
         super().__init__(*args, **kwargs)
 
     def wait_for_groupmates(self, timeout: float) -> int:
@@ -461,7 +546,7 @@ class FiniteAveragingMixin:
         shared = self.asks_shared_average and all(map(gathered_shared_average, group_info.gathered))
         runner = FiniteAllReduceRunner(
             round_kind=self.round_kind,
-            ends_by=self._round_ends_by(),
+            ends_by=self._round_ends_by(group_info.group_id),
             shared_average=shared,
             p2p=self._p2p,
             servicer_type=type(self),
@@ -492,14 +577,26 @@ class FiniteAveragingMixin:
         if lag and self.round_kind == "parameter":
             self._take_groupmates_values(runner)
 
-    def _round_ends_by(self) -> float | None:
-        """When this round's all-reduce, beginning now, ends with the averages that came (``FiniteAllReduceRunner
-        .ends_by``): ``ALLREDUCE_END_SHARE`` of ``allreduce_timeout`` from now, ahead of hivemind's cancel of the whole
-        (counted from moments before). Stamped here, not in an override of ``_aggregate_with_group``, whose frame
-        would stand in the traceback hivemind logs of every failed all-reduce."""
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info):
+        """hivemind's, noting when the group's all-reduce began: hivemind's ``allreduce_timeout`` counts from here,
+        before the round waits for this peer's averaged tensors, which its trainer may hold for seconds. A context
+        manager's frame is not kept in the traceback hivemind logs of a failed all-reduce (an override of
+        ``_aggregate_with_group`` was)."""
+        self._allreduce_began[group_info.group_id] = time.monotonic()
+        try:
+            with super()._register_allreduce_group(group_info):
+                yield
+        finally:
+            self._allreduce_began.pop(group_info.group_id, None)
+
+    def _round_ends_by(self, group_id: bytes) -> float | None:
+        """When the all-reduce of ``group_id`` ends with the averages that came (``FiniteAllReduceRunner.ends_by``):
+        ``ALLREDUCE_END_SHARE`` of ``allreduce_timeout`` after it began, ahead of hivemind's cancel of the whole."""
         if self._allreduce_timeout is None:
             return None
-        return time.monotonic() + ALLREDUCE_END_SHARE * self._allreduce_timeout
+        began = self._allreduce_began.get(group_id, time.monotonic())
+        return began + ALLREDUCE_END_SHARE * self._allreduce_timeout
 
     def _take_groupmates_values(self, runner: FiniteAllReduceRunner) -> None:
         """After a parameter round of this peer catching up: its values that came from groupmates are the swarm's,

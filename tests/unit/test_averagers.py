@@ -26,6 +26,7 @@ from collab.averagers import (
     FiniteTrainingStateAverager,
     is_acceptable_contribution,
     keep_local_where_non_finite,
+    where_waiting,
 )
 from collab.compression import WireAveragerMixin
 from tests.hivemind_patches import entry_point_patches_applied
@@ -34,6 +35,35 @@ from trainer.local import wait_until
 
 TENSOR_SIZES = (1000, 24)  # values; several parts per reducer with the small part size below
 PART_SIZE_BYTES = 512
+
+
+def test_where_a_span_s_exchange_waits_is_named_through_asyncio_wait_for():
+    """The report of a round's overdue spans names the innermost function an exchange waits in, through the task
+    that asyncio.wait_for runs; an exchange that ended says how."""
+
+    async def reply_never_comes(never: asyncio.Event):
+        await never.wait()
+
+    async def exchange(never: asyncio.Event):
+        await asyncio.wait_for(reply_never_comes(never), timeout=60)
+
+    async def failing():
+        raise ConnectionResetError("reset")
+
+    async def main():
+        never = asyncio.Event()
+        waiting, failed = asyncio.create_task(exchange(never)), asyncio.create_task(failing())
+        await asyncio.sleep(0.05)
+        described = where_waiting(waiting), where_waiting(failed), where_waiting(None)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        return described + (where_waiting(waiting),)
+
+    waiting, failed, absent, cancelled = asyncio.run(main())
+    assert waiting.startswith("waiting in test_averagers.py:") and waiting.endswith(" reply_never_comes"), waiting
+    assert failed == "ended with ConnectionResetError('reset')"
+    assert absent == "no exchange began" and cancelled == "ended"
 
 
 def test_non_finite_averaged_values_are_replaced_by_the_local_ones():
@@ -507,11 +537,13 @@ class SlowReplies(FiniteAverager):
 
 
 @pytest.mark.timeout(120)
-def test_a_round_whose_time_runs_out_keeps_the_averages_that_came():
+@pytest.mark.parametrize("tensors_held_s", [0.0, 3.0])
+def test_a_round_whose_time_runs_out_keeps_the_averages_that_came(tensors_held_s):
     """A (allreduce_timeout 10 s) and B match a round, each reducing half of the values; B answers A's parts of its
     half 12 s late, within the reducer timeout (2 x 8 s). hivemind cancelled A's round at 10 s: A got no average,
     not even of the half it reduces itself. A's round now ends at 0.9 x 10 s with that half averaged and its own
-    values in B's half."""
+    values in B's half. hivemind's 10 s count from the trigger, before the round waits for A's averaged tensors,
+    which A's trainer may hold (``tensors_held_s``): the 0.9 x 10 s count from there too."""
     timeout = 10.0
     options = dict(
         prefix="time_runs_out",
@@ -530,8 +562,10 @@ def test_a_round_whose_time_runs_out_keeps_the_averages_that_came():
                 fill(averager, value)
             controls = steps_matched_in_advance(pair, timeout=30, allow_retries=False)
             started = time.monotonic()
-            for control in controls:
-                control.allow_allreduce()
+            with a.get_tensors():
+                for control in controls:
+                    control.allow_allreduce()
+                time.sleep(tensors_held_s)
             wait_until(controls[0].done, 30, "A's round to end")
             ended = time.monotonic() - started
             assert controls[0].exception() is None, step_outcome(controls[0])
