@@ -121,10 +121,36 @@ class FiniteTensorPartReducer(TensorPartReducer):
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
     ) -> torch.Tensor:
+        """hivemind's, with the part's average awaited through ``asyncio.shield``.
+
+        Every sender of a part awaits the same future. Cancelling a task that awaits a future cancels the future
+        itself, so hivemind's stream handler, which cancels a sender's handler when its stream closes, cancelled the
+        part for all its senders: this peer's own span then ended without its averages, and the round waited for
+        them until hivemind cancelled it whole (docs/benchmarks/2026-12-07-amd-epyc-2core-swarm-own-span.md)."""
         if sender_index != self.trusted_sender_index and not is_acceptable_contribution(tensor_part, weight):
             self.refused_senders.add(sender_index)
             raise BannedException(f"sender {sender_index} sent non-finite values or weight in part {part_index}")
-        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # the parts before it are still being averaged
+            finished = asyncio.create_task(self.finished.wait())
+            try:
+                await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.accumulator.add_(tensor_part, alpha=weight)
+            self.current_part_accumulated_from += 1
+            self.denominator += weight
+            self.check_current_part_finished()
+        return await asyncio.shield(current_part_future)
 
 
 def is_refusal(error: BaseException, peer_id: PeerID) -> bool:

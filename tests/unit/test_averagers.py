@@ -23,6 +23,7 @@ from collab.averagers import (
     FiniteAllReduceRunner,
     FiniteAverager,
     FiniteGradientAverager,
+    FiniteTensorPartReducer,
     FiniteTrainingStateAverager,
     is_acceptable_contribution,
     keep_local_where_non_finite,
@@ -35,6 +36,27 @@ from trainer.local import wait_until
 
 TENSOR_SIZES = (1000, 24)  # values; several parts per reducer with the small part size below
 PART_SIZE_BYTES = 512
+
+
+def test_a_sender_s_handler_cancelled_in_a_part_leaves_that_part_to_its_other_senders():
+    """Three senders of a part wait for its average; the first one's handler is cancelled (its stream closed). In
+    hivemind's reducer that cancelled the part's future for all of them, this peer's own exchange among them, and the
+    round waited for its own span until cancelled whole. Here the others get the average, which still counts the
+    first one's part: it was in before its handler went."""
+
+    async def main():
+        reducer = FiniteTensorPartReducer([torch.Size([2])], num_senders=3, trusted_sender_index=1)
+        first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.tensor([3.0, 3.0])))
+        own = asyncio.create_task(reducer.accumulate_part(1, 0, torch.tensor([6.0, 6.0])))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        await asyncio.sleep(0.01)
+        last = await reducer.accumulate_part(2, 0, torch.tensor([9.0, 9.0]))
+        return first.cancelled(), await own, last
+
+    first_cancelled, own, last = asyncio.run(main())
+    assert first_cancelled
+    assert own.tolist() == [6.0, 6.0] and last.tolist() == [6.0, 6.0]
 
 
 def test_where_a_span_s_exchange_waits_is_named_through_asyncio_wait_for():
