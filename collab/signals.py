@@ -32,9 +32,16 @@ class Shutdown:
 
     def __init__(self, deadline: float = SHUTDOWN_DEADLINE_FLOOR):  # until the program knows its state's size
         self.deadline = deadline
+        self.signalled: float | None = None  # time.monotonic() of the first stop signal
         self._lock = threading.Lock()
         self._unsaved_fields: dict | None = None  # the shutdown event's fields while a final save is due
         self._left = False
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the forced exit; None before a stop signal (no deadline runs)."""
+        if self.signalled is None:
+            return None
+        return self.signalled + self.deadline - time.monotonic()
 
     def expect_final_save(self, **fields) -> None:
         """From now on a forced exit means the final state was not saved; ``fields`` go into its shutdown event."""
@@ -85,6 +92,11 @@ def set_shutdown_deadline(seconds: float) -> None:
     _shutdown.deadline = seconds
 
 
+def seconds_left() -> float | None:
+    """See ``Shutdown.seconds_left``."""
+    return _shutdown.seconds_left()
+
+
 def expect_final_save(**fields) -> None:
     """See ``Shutdown.expect_final_save``."""
     _shutdown.expect_final_save(**fields)
@@ -123,8 +135,9 @@ def install_stop_handlers(stop: threading.Event) -> None:
         )
         events.emit("stop_requested", signal=signal.Signals(signum).name, deadline_s=_shutdown.deadline)
         stop.set()
+        _shutdown.signalled = time.monotonic()
         threading.Thread(
-            target=watch, args=(_shutdown, time.monotonic()), name="shutdown-watchdog", daemon=True
+            target=watch, args=(_shutdown, _shutdown.signalled), name="shutdown-watchdog", daemon=True
         ).start()
 
     signal.signal(signal.SIGINT, on_signal)

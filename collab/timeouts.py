@@ -31,7 +31,9 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
   rounds, twice over after a round that dropped a groupmate (``part_timeout``), within the round's time; a round's
   group takes the longest of its members' (``group_part_timeout``), which each gathers at matchmaking.
 - A shutdown: the last background round (``shutdown_averaging_wait``), hivemind's and the DHT's shutdown, then the
-  model written at ``DISK_BYTES_PER_SECOND`` (``shutdown_deadline``, after which the watchdog forces the exit).
+  model written at ``DISK_BYTES_PER_SECOND`` (``shutdown_deadline``, after which the watchdog forces the exit). The
+  wait for the last round is what the deadline leaves once the loop's last step has ended, less the teardown and the
+  save (``save_reserve``, ``last_round_wait``): a step that ran long costs the round, not the saved state.
 - The other ranks of a torchrun peer: they wait for rank 0 through its longest step (``rank_wait_timeout``).
 """
 
@@ -50,6 +52,9 @@ REQUEST_TIMEOUT_FLOOR = 3.0  # hivemind's request_timeout, right on a LAN
 SHUTDOWN_AVERAGING_WAIT_FLOOR = 10.0  # seconds a departing peer waits for its last background round, at least
 SHUTDOWN_DEADLINE_FLOOR = 25.0  # seconds from the first SIGTERM to a forced exit, at least
 SHUTDOWN_ALLOWANCE = 15.0  # seconds for the loop's last step and hivemind's and the DHT's shutdown
+# Of that allowance, kept whatever the last step took: a cancelled last round's 2 s, hivemind's and the DHT's shutdown
+# (3-5 s on a 2-core host under a 16-peer swarm's load)
+SHUTDOWN_TEARDOWN = 8.0
 MAX_AVERAGING_TIMEOUT = 3600.0  # caps: a mistyped --bandwidth 0.001 must not make a peer wait for days
 MAX_NEXT_CHUNK_TIMEOUT = 600.0
 MAX_LOAD_STATE_TIMEOUT = 4 * 3600.0
@@ -95,6 +100,7 @@ class Timeouts:
     # waits for a round's time (ROUND_MARGIN x round, within the averaging timeout), then tries another donor
     first_chunk_timeout: float | None = None
     request_timeout: float = REQUEST_TIMEOUT_FLOOR  # a follower's wait for its leader's answer (module docstring)
+    save_reserve: float = SHUTDOWN_TEARDOWN  # of the shutdown deadline, kept after the last round: teardown and save
 
     def describe(self) -> str:
         """One line for the log: every value and how it was derived."""
@@ -161,8 +167,9 @@ def derive_timeouts(
     chunk timeouts; ``next_chunk_timeout`` = CHUNK_MARGIN x part, at least matchmaking_time (hivemind's default)
     and under half the averaging timeout; ``load_state_timeout`` = DOWNLOAD_MARGIN x state; each between its floor
     and its cap. The shutdown waits for the last round at most ROUND_MARGIN x round (within the averaging timeout),
-    then allows SHUTDOWN_ALLOWANCE and SAVE_MARGIN x the write of the model. A given ``shutdown_timeout`` is the
-    deadline, and the last round may take at most half of it: the save gets the other half."""
+    then allows SHUTDOWN_ALLOWANCE and SAVE_MARGIN x the write of the model, of which SHUTDOWN_TEARDOWN and the write
+    are kept for after the last round (``save_reserve``). A given ``shutdown_timeout`` is the deadline, and the last
+    round may take at most half of it: the save gets the other half."""
     chunk = next_chunk_timeout
     if chunk is None:
         chunk = _clamp(CHUNK_MARGIN * transfers.part_seconds, matchmaking_time, MAX_NEXT_CHUNK_TIMEOUT)
@@ -178,6 +185,7 @@ def derive_timeouts(
     if load is None:
         load = _clamp(DOWNLOAD_MARGIN * transfers.state_seconds, LOAD_STATE_TIMEOUT_FLOOR, MAX_LOAD_STATE_TIMEOUT)
     wait = min(averaging, max(SHUTDOWN_AVERAGING_WAIT_FLOOR, ROUND_MARGIN * transfers.round_seconds))
+    reserve = SHUTDOWN_TEARDOWN + SAVE_MARGIN * transfers.save_seconds
     if shutdown_timeout is None:
         deadline = _clamp(
             wait + SHUTDOWN_ALLOWANCE + SAVE_MARGIN * transfers.save_seconds,
@@ -186,6 +194,7 @@ def derive_timeouts(
         )
     else:
         deadline, wait = shutdown_timeout, min(wait, shutdown_timeout / 2)
+        reserve = min(reserve, deadline - wait)
     given = [
         name
         for name, value in (
@@ -199,7 +208,16 @@ def derive_timeouts(
     how = transfers.how + (f"; {', '.join(given)} as given" if given else "")
     first_chunk = min(averaging, max(chunk, ROUND_MARGIN * transfers.round_seconds))
     request = min(chunk, max(REQUEST_TIMEOUT_FLOOR, transfers.part_seconds))
-    return Timeouts(averaging, chunk, load, wait, deadline, how, first_chunk, request)
+    return Timeouts(averaging, chunk, load, wait, deadline, how, first_chunk, request, reserve)
+
+
+def last_round_wait(timeouts: Timeouts, seconds_left: float | None) -> float:
+    """Seconds a departing peer waits for its last background round: ``shutdown_averaging_wait``, cut to what the
+    shutdown deadline leaves (``seconds_left``) after ``save_reserve``; None: no deadline runs (no stop signal, the
+    peer reached its max_steps). The save comes first: a peer forced out before it exits non-zero without its state."""
+    if seconds_left is None:
+        return timeouts.shutdown_averaging_wait
+    return max(0.0, min(timeouts.shutdown_averaging_wait, seconds_left - timeouts.save_reserve))
 
 
 def part_timeout_need(latest_start: float, dropped: bool, timeout: float) -> float:

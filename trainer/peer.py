@@ -13,6 +13,7 @@ from collab.dht import joined_fields, start_dht
 from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates, start_state_prefetch
 from collab.schema import make_validators
 from collab.storage import atomic_directory
+from collab.timeouts import last_round_wait
 from trainer import ranks
 from trainer.data import batch_stream, peer_data_seed
 from trainer.loop import TrainingSummary, autocast_dtype, flush_denormals, train
@@ -118,7 +119,16 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
             # hivemind's shutdown announces the departure first, and peers would then skip our last round.
-            finish_delayed_updates(optimizer, timeout=timeouts.shutdown_averaging_wait)
+            wait = last_round_wait(timeouts, signals.seconds_left())
+            if wait < timeouts.shutdown_averaging_wait:
+                logger.info(
+                    "The last step took most of the shutdown deadline: the last background round gets %.1f s of its "
+                    "%.0f s, the teardown and save keep %.0f s",
+                    wait,
+                    timeouts.shutdown_averaging_wait,
+                    timeouts.save_reserve,
+                )
+            finish_delayed_updates(optimizer, timeout=wait)
             optimizer.shutdown()
         dht.shutdown()
 

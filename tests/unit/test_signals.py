@@ -59,3 +59,25 @@ def test_a_program_that_failed_before_its_save_and_then_hung_still_exits_non_zer
 def test_a_program_with_no_final_save_exits_0_when_forced(tmp_path):
     code, shutdown = forced_exit(tmp_path, "pass")  # the monitor: its checkpoints are written as they come
     assert code == 0 and shutdown == []
+
+
+SIGNALLED = """
+import os, signal, threading, time
+from collab import signals
+
+stop = threading.Event()
+signals.install_stop_handlers(stop)
+signals.set_shutdown_deadline(30.0)
+print(signals.seconds_left())
+os.kill(os.getpid(), signal.SIGTERM)
+stop.wait(10)
+time.sleep(1.0)
+print(signals.seconds_left())
+"""
+
+
+def test_the_seconds_left_before_the_forced_exit_count_from_the_first_stop_signal():
+    result = subprocess.run([sys.executable, "-c", SIGNALLED], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    before, after = result.stdout.split()
+    assert before == "None"  # no signal, no deadline: a peer that reached its max_steps waits its whole last round
+    assert 27.0 < float(after) <= 29.0  # 30 s from the signal, a second or so later

@@ -25,6 +25,7 @@ from collab.timeouts import (
     download_backoff,
     estimate_transfers,
     group_part_timeout,
+    last_round_wait,
     part_timeout,
     part_timeout_need,
     rank_wait_timeout,
@@ -64,6 +65,7 @@ def test_a_100m_parameter_state_over_40_mbit_s_gets_timeouts_it_can_meet():
     assert timeouts.load_state_timeout == pytest.approx(240.0)  # twice 120 s: over the 150 s the download needs
     assert timeouts.shutdown_averaging_wait == pytest.approx(140.0)
     assert timeouts.shutdown_deadline == pytest.approx(140 + 15 + 2 * 8)
+    assert timeouts.save_reserve == pytest.approx(8 + 2 * 8)  # the teardown, then twice the 8-s write
     line = timeouts.describe()
     assert "100.0M parameters" in line and "40 Mbit/s upload" in line and "load_state_timeout 240 s" in line
 
@@ -129,6 +131,7 @@ def test_an_explicit_shutdown_timeout_is_the_deadline_and_leaves_the_save_half_o
     given = derive_timeouts(transfers_100m(), 3.0, shutdown_timeout=8.0)
     assert given.shutdown_deadline == 8.0
     assert given.shutdown_averaging_wait == 4.0
+    assert given.save_reserve == 4.0  # the half the last round cannot take
     assert "shutdown_timeout as given" in given.how
     # a timeout longer than the derived one keeps the derived wait for the last round
     assert derive_timeouts(transfers_100m(), 3.0, shutdown_timeout=600.0).shutdown_averaging_wait == 140.0
@@ -287,3 +290,27 @@ def test_other_ranks_wait_through_every_try_of_rank_0s_state_load():
     # 8 tries of 120 s, backoffs 0+1+2+4+8+16+30+30 s, a 60 s round and a 25 s shutdown
     assert rank_wait_timeout(timeouts, 8) == 8 * 120 + 91 + 60 + 25
     assert rank_wait_timeout(timeouts, 1) == 120 + 60 + 25
+
+
+def test_a_last_step_that_ran_long_shortens_the_wait_for_the_last_round_not_the_save():
+    # bench.swarm's newcomer on a loaded 2-core host: a 26-s deadline of which the last step took 11 s; the peer
+    # waited its whole 11 s for the last round, and the watchdog forced it out before it had saved
+    small = estimate_transfers(
+        parameters=1_000_000,
+        round_values_per_parameter=1,
+        state_values_per_parameter=3,
+        bytes_per_value=2,
+        model_bytes=4_000_000,
+        group_size=256,
+        bandwidth_mbit=6.0,
+    )
+    timeouts = derive_timeouts(small, matchmaking_time=3.0)
+    assert small.save_seconds == pytest.approx(0.08)
+    round_wait = 2 * (2 * 255 / 256 * 2e6) / 0.75e6  # twice a 2-MB round through 6 Mbit/s in a butterfly: 10.6 s
+    assert timeouts.shutdown_averaging_wait == pytest.approx(round_wait)
+    assert timeouts.shutdown_deadline == pytest.approx(round_wait + 15 + 0.16)
+    assert timeouts.save_reserve == pytest.approx(8.16)
+    assert last_round_wait(timeouts, None) == timeouts.shutdown_averaging_wait  # no stop signal: no deadline runs
+    assert last_round_wait(timeouts, 25.0) == timeouts.shutdown_averaging_wait  # signalled between two steps
+    assert last_round_wait(timeouts, 14.0) == pytest.approx(14.0 - 8.16)  # 12 s of 26 gone in the last step
+    assert last_round_wait(timeouts, 5.0) == 0.0  # less than the save needs: the round is not waited for
