@@ -65,7 +65,7 @@ def test_a_100m_parameter_state_over_40_mbit_s_gets_timeouts_it_can_meet():
     assert timeouts.load_state_timeout == pytest.approx(240.0)  # twice 120 s: over the 150 s the download needs
     assert timeouts.shutdown_averaging_wait == pytest.approx(140.0)
     assert timeouts.shutdown_deadline == pytest.approx(140 + 15 + 2 * 8)
-    assert timeouts.save_reserve == pytest.approx(8 + 2 * 8)  # the teardown, then twice the 8-s write
+    assert timeouts.save_reserve == pytest.approx(12 + 2 * 8)  # the teardown, then twice the 8-s write
     line = timeouts.describe()
     assert "100.0M parameters" in line and "40 Mbit/s upload" in line and "load_state_timeout 240 s" in line
 
@@ -293,8 +293,8 @@ def test_other_ranks_wait_through_every_try_of_rank_0s_state_load():
 
 
 def test_a_last_step_that_ran_long_shortens_the_wait_for_the_last_round_not_the_save():
-    # bench.swarm's newcomer on a loaded 2-core host: a 26-s deadline of which the last step took 11 s; the peer
-    # waited its whole 11 s for the last round, and the watchdog forced it out before it had saved
+    # bench.swarm's newcomers on a loaded 2-core host: 26-s deadlines of which the last step took 8-14 s; peers that
+    # waited 10-11 s for the last round were forced out before they had saved (teardown and save took over 8 s)
     small = estimate_transfers(
         parameters=1_000_000,
         round_values_per_parameter=1,
@@ -309,8 +309,8 @@ def test_a_last_step_that_ran_long_shortens_the_wait_for_the_last_round_not_the_
     round_wait = 2 * (2 * 255 / 256 * 2e6) / 0.75e6  # twice a 2-MB round through 6 Mbit/s in a butterfly: 10.6 s
     assert timeouts.shutdown_averaging_wait == pytest.approx(round_wait)
     assert timeouts.shutdown_deadline == pytest.approx(round_wait + 15 + 0.16)
-    assert timeouts.save_reserve == pytest.approx(8.16)
+    assert timeouts.save_reserve == pytest.approx(12.16)
     assert last_round_wait(timeouts, None) == timeouts.shutdown_averaging_wait  # no stop signal: no deadline runs
     assert last_round_wait(timeouts, 25.0) == timeouts.shutdown_averaging_wait  # signalled between two steps
-    assert last_round_wait(timeouts, 14.0) == pytest.approx(14.0 - 8.16)  # 12 s of 26 gone in the last step
-    assert last_round_wait(timeouts, 5.0) == 0.0  # less than the save needs: the round is not waited for
+    assert last_round_wait(timeouts, 18.0) == pytest.approx(18.0 - 12.16)  # 8 s of 26 gone in the last step
+    assert last_round_wait(timeouts, 11.0) == 0.0  # less than the save needs: the round is not waited for
