@@ -50,6 +50,20 @@ def transfers_100m(bandwidth_mbit: float = 40.0, group_size: int = 8, round_valu
     )
 
 
+def transfers_small(parameters: int, bandwidth_mbit: float):
+    """A small fp32 model in a big swarm (the butterfly's share tends to the whole round): fp16 on the wire, the
+    state = parameters + Lamb's two moments."""
+    return estimate_transfers(
+        parameters=parameters,
+        round_values_per_parameter=1,
+        state_values_per_parameter=3,
+        bytes_per_value=2,
+        model_bytes=4 * parameters,
+        group_size=256,
+        bandwidth_mbit=bandwidth_mbit,
+    )
+
+
 def test_a_100m_parameter_state_over_40_mbit_s_gets_timeouts_it_can_meet():
     transfers = transfers_100m()
     # 40 Mbit/s = 5 MB/s. A round of 200 MB among 8: 2 x 7/8 x 200 MB = 350 MB leave this peer: 70 s.
@@ -99,15 +113,7 @@ def test_a_follower_waits_for_its_leader_s_answer_as_long_as_a_part_takes_on_its
 
 
 def test_a_small_model_on_a_lan_keeps_today_s_defaults():
-    transfers = estimate_transfers(
-        parameters=5_000_000,
-        round_values_per_parameter=1,
-        state_values_per_parameter=3,
-        bytes_per_value=2,
-        model_bytes=20_000_000,
-        group_size=256,
-        bandwidth_mbit=100.0,
-    )
+    transfers = transfers_small(parameters=5_000_000, bandwidth_mbit=100.0)
     timeouts = derive_timeouts(transfers, matchmaking_time=3.0)
     assert (timeouts.averaging_timeout, timeouts.next_chunk_timeout, timeouts.load_state_timeout) == (60, 3, 120)
     assert timeouts.shutdown_averaging_wait == 10.0
@@ -295,15 +301,7 @@ def test_other_ranks_wait_through_every_try_of_rank_0s_state_load():
 def test_a_last_step_that_ran_long_shortens_the_wait_for_the_last_round_not_the_save():
     # bench.swarm's newcomers on a loaded 2-core host: 26-s deadlines of which the last step took 8-14 s; peers that
     # waited 10-11 s for the last round were forced out before they had saved (teardown and save took over 8 s)
-    small = estimate_transfers(
-        parameters=1_000_000,
-        round_values_per_parameter=1,
-        state_values_per_parameter=3,
-        bytes_per_value=2,
-        model_bytes=4_000_000,
-        group_size=256,
-        bandwidth_mbit=6.0,
-    )
+    small = transfers_small(parameters=1_000_000, bandwidth_mbit=6.0)
     timeouts = derive_timeouts(small, matchmaking_time=3.0)
     assert small.save_seconds == pytest.approx(0.08)
     round_wait = 2 * (2 * 255 / 256 * 2e6) / 0.75e6  # twice a 2-MB round through 6 Mbit/s in a butterfly: 10.6 s
