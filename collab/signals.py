@@ -107,9 +107,9 @@ def leave(saved: bool, **fields) -> None:
     _shutdown.leave(saved, **fields)
 
 
-def watch(shutdown: Shutdown, signalled: float) -> None:
-    """The watchdog: force the exit once ``shutdown.deadline`` seconds have passed since ``signalled``."""
-    while time.monotonic() < signalled + shutdown.deadline:
+def watch(shutdown: Shutdown) -> None:
+    """The watchdog: force the exit once ``shutdown.deadline`` seconds have passed since the stop signal."""
+    while shutdown.seconds_left() > 0:
         time.sleep(WATCHDOG_POLL)
     shutdown.force_exit()
 
@@ -136,9 +136,7 @@ def install_stop_handlers(stop: threading.Event) -> None:
         events.emit("stop_requested", signal=signal.Signals(signum).name, deadline_s=_shutdown.deadline)
         stop.set()
         _shutdown.signalled = time.monotonic()
-        threading.Thread(
-            target=watch, args=(_shutdown, _shutdown.signalled), name="shutdown-watchdog", daemon=True
-        ).start()
+        threading.Thread(target=watch, args=(_shutdown,), name="shutdown-watchdog", daemon=True).start()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

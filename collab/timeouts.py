@@ -53,8 +53,7 @@ SHUTDOWN_AVERAGING_WAIT_FLOOR = 10.0  # seconds a departing peer waits for its l
 SHUTDOWN_DEADLINE_FLOOR = 25.0  # seconds from the first SIGTERM to a forced exit, at least
 SHUTDOWN_ALLOWANCE = 15.0  # seconds for the loop's last step and hivemind's and the DHT's shutdown
 # Of that allowance, kept whatever the last step took: a cancelled last round (2 s), hivemind's shutdown and the DHT's
-# (up to its 3-s grace), and the save's fixed cost; 8 s forced a peer out mid-save on a 2-core host under a 16-peer
-# swarm's load (docs/benchmarks/2026-12-07-amd-epyc-2core-swarm-own-span.md)
+# (up to its 3-s grace), and the save's fixed cost, seconds on a loaded host (docs/benchmarks/, 2026-12-07)
 SHUTDOWN_TEARDOWN = 12.0
 MAX_AVERAGING_TIMEOUT = 3600.0  # caps: a mistyped --bandwidth 0.001 must not make a peer wait for days
 MAX_NEXT_CHUNK_TIMEOUT = 600.0
