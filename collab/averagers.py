@@ -184,6 +184,7 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
         self.sender_starts: dict[PeerID, float] = {}  # seconds after this peer's start that each sender's part came
         self.over = asyncio.Event()  # set once this peer needs nothing more from its groupmates in this round
         self._exchanges: dict[PeerID, asyncio.Task] = {}  # the task exchanging each reducer's span
+        self.replies_sent: dict[PeerID, int] = {}  # replies that each sender's stream took from this reducer
 
     def finalize(self, **kwargs) -> None:
         super().finalize(**kwargs)  # run() calls it once its outputs are in, and on every failure or cancel
@@ -200,6 +201,7 @@ class FiniteAllReduceRunner(SharedAverageRunnerMixin, TrafficCountingMixin, AllR
             async for message in super().rpc_aggregate_part(stream, context):
                 replies += 1
                 yield message
+                self.replies_sent[context.remote_id] = replies  # the stream's writer took it
         except asyncio.CancelledError:
             # hivemind's stream handler cancels this, silently, when the sender's stream closes under it (or the
             # round or this peer stops): the sender only sees the replies end short and keeps its own values

@@ -403,6 +403,30 @@ def test_a_part_for_a_group_this_peer_is_not_in_is_refused_at_once(averager_clas
     assert seconds < sender_timeout / 6, seconds
 
 
+def exchange_trace(runner: FiniteAllReduceRunner, peer_ids: list) -> dict:
+    """What one runner's reducer took from and gave to each groupmate (by index), and the spans it kept: both
+    sides of an exchange that ended short, for a failure's message."""
+    reducer = runner.tensor_part_reducer
+    return dict(
+        parts_received=reducer.num_parts_received,
+        failed_after=reducer.sender_failed_after,
+        replies_sent={peer_ids.index(peer): count for peer, count in runner.replies_sent.items()},
+        banned=sorted(peer_ids.index(peer) for peer in runner.banned_senders),
+        kept_local=runner.kept_local_spans(),
+    )
+
+
+def spans(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """Sorted indices as ``[start, end)`` runs."""
+    runs: list[list[int]] = []
+    for index in indices.tolist():
+        if runs and runs[-1][1] == index:
+            runs[-1][1] += 1
+        else:
+            runs.append([index, index + 1])
+    return [tuple(run) for run in runs]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("second_runner", ["together", "after_the_refusal"])
 def test_a_round_with_a_groupmate_that_is_not_in_it_ends_without_waiting_for_its_parts(second_runner):
@@ -460,7 +484,7 @@ def test_a_round_with_a_groupmate_that_is_not_in_it_ends_without_waiting_for_its
             started = time.monotonic()
             rounds = asyncio.gather(apply(runners[0]), apply_second())
             results = await asyncio.wait_for(rounds, timeout=3 * sender_timeout)
-            return results, time.monotonic() - started
+            return results, time.monotonic() - started, [exchange_trace(runner, peer_ids) for runner in runners]
         finally:
             await asyncio.gather(*(p2p.shutdown() for p2p in p2ps))
 
@@ -469,7 +493,7 @@ def test_a_round_with_a_groupmate_that_is_not_in_it_ends_without_waiting_for_its
             [torch.zeros(3000)], dht=dht, prefix=prefix, next_chunk_timeout=sender_timeout, start=True
         )
         try:
-            results, seconds = asyncio.run(round_with_one_not_in_it(outsider, dht.get_visible_maddrs()))
+            results, seconds, traces = asyncio.run(round_with_one_not_in_it(outsider, dht.get_visible_maddrs()))
         finally:
             outsider.shutdown()
     # the round's cut streams leave coroutines in reference cycles: collected here, not inside a later ast.parse
@@ -479,8 +503,9 @@ def test_a_round_with_a_groupmate_that_is_not_in_it_ends_without_waiting_for_its
     assert seconds < sender_timeout / 3, seconds
     # each peer's span averaged (1: the mean of 0 and 2); the outsider's, the last third, kept as each peer had it
     kept = [torch.nonzero(result != 1.0).flatten() for result in results]
-    assert torch.equal(kept[0], kept[1]) and kept[0].numel() > 0, kept
-    assert kept[0].tolist() == list(range(3000 - kept[0].numel(), 3000))  # the outsider's span is the last
+    traced = f"kept {spans(kept[0])} and {spans(kept[1])}; runners {traces}"  # pytest cuts a message not a str
+    assert torch.equal(kept[0], kept[1]) and kept[0].numel() > 0, traced
+    assert spans(kept[0]) == [(3000 - kept[0].numel(), 3000)], traced  # the outsider's span is the last
     assert 900 <= kept[0].numel() <= 1100, kept[0].numel()
     for own, result in zip((0.0, 2.0), results, strict=True):
         assert torch.all(result[kept[0]] == own)
