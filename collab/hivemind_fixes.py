@@ -12,6 +12,8 @@ Each fix, the rule it keeps (what hivemind does instead, what that cost, and the
 - tasks are held until done: a task whose only owners are weak references was garbage-collected mid-round;
 - a sender waits for its group's registration (up to the sender timeout) instead of being answered BAD_GROUP_ID,
   which left half of a round's tensors unaveraged;
+- a sender's stream is read to its end before its handler closes it: p2pd's reset lost the last replies, refusals
+  among them;
 - leader lookups are spaced by a tenth of ``matchmaking_time``, not back to back;
 - progress is published once per ``progress_report_period`` within an epoch, a new epoch at once, not every step;
   a progress record far ahead of the honest majority is ignored;
@@ -133,22 +135,114 @@ async def wait_for_group(averager, group_id: bytes, timeout: float) -> None:
             await asyncio.wait_for(event.wait(), min(remaining, GROUP_CHECK_PERIOD))
 
 
+_STREAM_END = object()
+
+
+async def _next_or_end(iterator):
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return _STREAM_END
+
+
+class LingeringRequests:
+    """A handler's request stream whose reads outlive their reader, so that what the sender still writes after the
+    answer is done can be read to its end (``drain``).
+
+    A handler that returns while its sender still writes can lose its last replies: p2pd resets a stream that
+    receives data after its handler closed it, and the reset discards what the sender's daemon had not yet passed on
+    (docs/benchmarks/2026-12-07-amd-epyc-2core-lost-refusals.md). hivemind's runner cancels its reads (a part's
+    timeout, a reducer done with a sender); here the read goes on, for ``drain`` to finish."""
+
+    def __init__(self, stream: AsyncIterator):
+        self._iterator = stream.__aiter__()
+        self._pending: asyncio.Future | None = None
+        self._ended = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._ended:
+            raise StopAsyncIteration
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(_next_or_end(self._iterator))
+        pending = self._pending
+        try:
+            message = await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if pending.cancelled():  # the read itself, not only its reader: nothing more comes
+                self._pending, self._ended = None, True
+            raise
+        except BaseException:
+            self._pending, self._ended = None, True
+            raise
+        self._pending = None
+        if message is _STREAM_END:
+            self._ended = True
+            raise StopAsyncIteration
+        return message
+
+    async def drain(self, timeout: float) -> None:
+        """Read and drop what the sender still writes, until its stream ends or for ``timeout`` seconds."""
+
+        async def read_to_end():
+            async for _ in self:
+                pass
+
+        try:
+            await asyncio.wait_for(read_to_end(), timeout)
+        except Exception:  # asyncio.TimeoutError too: the sender is slow, or its stream broke; it closes either way
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Read no more: a read still waiting for the sender is cancelled, not left pending."""
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pending, self._ended = None, True
+
+
+async def answered_in_full(
+    answer: Callable[[AsyncIterator], AsyncIterator], stream: AsyncIterator, linger: float
+) -> AsyncIterator:
+    """``answer(requests)``'s replies, then the sender's stream read to its end, for ``linger`` seconds at most, so
+    that the stream closes only once the last reply can reach the sender (``LingeringRequests``)."""
+    requests = LingeringRequests(stream)
+    try:
+        async for message in answer(requests):
+            yield message
+        await requests.drain(linger)
+    finally:  # also when the stream was closed under the answer
+        requests.close()
+
+
 async def rpc_aggregate_part_waiting_for_group(
     self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
 ) -> AsyncIterator[averaging_pb2.AveragingData]:
-    """hivemind's ``rpc_aggregate_part``, except that a part for a group this peer has not registered yet waits for
-    that group (``wait_for_group``: up to the sender timeout, while the group may still be this peer's) instead of
-    waiting for whichever group registers next and then being refused with BAD_GROUP_ID, and waits for the group's
-    runner through a shield: hivemind's bare ``await`` cancelled the group's future when the sender gave up, and this
-    peer's own round then failed ("Unable to run All-Reduce: invalid state")."""
-    request = await anext(stream)
-    await wait_for_group(self, request.group_id, group_wait_seconds(self))
-    future = self._running_groups.get(request.group_id)
-    if future is None:
-        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-        return
-    group = await asyncio.shield(future)
-    async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+    """hivemind's ``rpc_aggregate_part``, except that
+
+    - a part for a group this peer has not registered yet waits for that group (``wait_for_group``: up to the sender
+      timeout, while the group may still be this peer's) instead of waiting for whichever group registers next and
+      then being refused with BAD_GROUP_ID;
+    - it waits for the group's runner through a shield: hivemind's bare ``await`` cancelled the group's future when
+      the sender gave up, and this peer's own round then failed ("Unable to run All-Reduce: invalid state");
+    - once answered, the sender's stream is read to its end before it closes (``answered_in_full``, for as long as a
+      sender may take between parts)."""
+
+    async def answer(requests: AsyncIterator[averaging_pb2.AveragingData]):
+        request = await anext(requests)
+        await wait_for_group(self, request.group_id, group_wait_seconds(self))
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await asyncio.shield(future)
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), requests), context):
+            yield message
+
+    async for message in answered_in_full(answer, stream, group_wait_seconds(self)):
         yield message
 
 

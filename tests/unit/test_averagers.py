@@ -7,15 +7,18 @@ import contextlib
 import gc
 import logging
 import time
+from functools import partial
 from typing import AsyncIterator  # noqa: UP035 (hivemind recognises streaming handlers by typing.AsyncIterator)
 
 import hivemind
 import pytest
 import torch
+from hivemind.compression import serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter
 
 from collab import events
 from collab.averagers import (
@@ -30,6 +33,7 @@ from collab.averagers import (
     where_waiting,
 )
 from collab.compression import WireAveragerMixin
+from collab.hivemind_fixes import answered_in_full
 from tests.hivemind_patches import entry_point_patches_applied
 from tests.local_dht import step_outcome, steps_matched_in_advance, two_dhts
 from trainer.local import wait_until
@@ -403,6 +407,11 @@ def test_a_part_for_a_group_this_peer_is_not_in_is_refused_at_once(averager_clas
     assert seconds < sender_timeout / 6, seconds
 
 
+def answered_by(runner: FiniteAllReduceRunner, stream: AsyncIterator, context: P2PContext, linger: float):
+    """``runner``'s answer to a sender's stream as an averager's handler gives it (``answered_in_full``)."""
+    return answered_in_full(lambda requests: runner.rpc_aggregate_part(requests, context), stream, linger)
+
+
 def exchange_trace(runner: FiniteAllReduceRunner, peer_ids: list) -> dict:
     """What one runner's reducer took from and gave to each groupmate (by index), and the spans it kept: both
     sides of an exchange that ended short, for a failure's message."""
@@ -425,6 +434,47 @@ def spans(indices: torch.Tensor) -> list[tuple[int, int]]:
         else:
             runs.append([index, index + 1])
     return [tuple(run) for run in runs]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("averager_class", [FiniteAverager, WireAverager], ids=["hivemind-parts", "wire-parts"])
+def test_a_refusal_reaches_a_sender_that_is_still_writing_its_parts(averager_class):
+    """hivemind's client writes all its parts and its end-of-stream marker at once. A refusal answered after the
+    first part used to close the stream while the rest still came, and p2pd's reset then lost the answer on its way
+    in 3-11 % of tries (a silent end: the sender kept waiting for the refused peer's parts). The refusing peer now
+    reads the sender's stream to its end before it closes: every try hears BAD_GROUP_ID."""
+    tries, parts_a_try = 40, 8
+    with entry_point_patches_applied(), one_dht() as dht:
+        averager = averager_class(
+            [torch.zeros(10)], dht=dht, prefix="still_writing", next_chunk_timeout=30.0, start=True
+        )
+        try:
+
+            async def refusals() -> list[list[str]]:
+                p2p = await P2P.create(initial_peers=dht.get_visible_maddrs())  # connected to the averager's node
+                try:
+                    stub = averager_class.get_stub(p2p, averager.peer_id, namespace=averager.prefix)
+                    part = averaging_pb2.AveragingData(
+                        code=averaging_pb2.PART_FOR_AVERAGING,
+                        group_id=b"a group of others",
+                        tensor_part=serialize_torch_tensor(torch.zeros(128)),
+                        weight=1.0,
+                    )
+                    answers = []
+                    for _ in range(tries):
+                        try:
+                            replies = await stub.rpc_aggregate_part(as_aiter(*[part] * parts_a_try))
+                            answers.append([averaging_pb2.MessageCode.Name(reply.code) async for reply in replies])
+                        except Exception as error:  # a broken pipe: the refusal closed the stream under the parts
+                            answers.append([repr(error)])
+                    return answers
+                finally:
+                    await p2p.shutdown()
+
+            answers = asyncio.run(asyncio.wait_for(refusals(), 90))
+        finally:
+            averager.shutdown()
+    assert answers == [["BAD_GROUP_ID"]] * tries, [answer for answer in answers if answer != ["BAD_GROUP_ID"]]
 
 
 @pytest.mark.timeout(120)
@@ -460,7 +510,7 @@ def test_a_round_with_a_groupmate_that_is_not_in_it_ends_without_waiting_for_its
                 )
                 await p2p.add_protobuf_handler(
                     FiniteAverager._get_handle_name(prefix, "rpc_aggregate_part"),
-                    runner.rpc_aggregate_part,
+                    partial(answered_by, runner, linger=sender_timeout),  # as the averager's handler answers
                     averaging_pb2.AveragingData,
                     stream_input=True,
                     stream_output=True,

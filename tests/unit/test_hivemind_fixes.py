@@ -815,3 +815,76 @@ def test_plain_hivemind_fails_to_shut_down_an_averager_in_its_all_reduce():
 @pytest.mark.timeout(400)
 def test_fixed_averager_shuts_down_in_its_all_reduce_cancelling_the_round():
     assert HIVEMIND_SHUTDOWN_ERROR not in shut_down_in_its_all_reduce("fixed")
+
+
+@pytest.mark.light
+def test_a_read_whose_reader_gave_up_is_not_lost_and_the_drain_reads_to_the_end():
+    """hivemind's runner reads a part with a timeout that cancels the read: the part still arrives for the next
+    read, and ``drain`` reads the rest to the stream's end instead of closing the stream under it."""
+
+    async def scenario():
+        gate, taken = asyncio.Event(), []
+
+        async def sender():
+            for item in ("first", "second", "third"):
+                if item == "second":
+                    await gate.wait()  # comes after the reader gave up on it
+                taken.append(item)
+                yield item
+
+        requests = hivemind_fixes.LingeringRequests(sender())
+        assert await anext(requests) == "first"
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(anext(requests), 0.05)
+        gate.set()
+        assert await anext(requests) == "second"
+        started = time.monotonic()
+        await requests.drain(5.0)
+        return taken, time.monotonic() - started
+
+    taken, drain_seconds = asyncio.run(scenario())
+    assert taken == ["first", "second", "third"]
+    assert drain_seconds < 1.0  # it ended with the stream, not at its linger
+
+
+@pytest.mark.light
+def test_replies_come_first_and_the_stream_is_read_to_its_end_before_the_handler_returns():
+    async def scenario():
+        consumed = []
+
+        async def stream():
+            for item in ("part 0", "part 1", "part 2", "part 3"):
+                consumed.append(item)
+                yield item
+
+        async def refuse(requests):
+            await anext(requests)
+            yield "refused"
+
+        replies = [reply async for reply in hivemind_fixes.answered_in_full(refuse, stream(), linger=5.0)]
+        return replies, consumed
+
+    replies, consumed = asyncio.run(scenario())
+    assert replies == ["refused"]
+    assert consumed == ["part 0", "part 1", "part 2", "part 3"]
+
+
+@pytest.mark.light
+def test_the_drain_ends_at_its_linger_when_the_sender_neither_writes_nor_closes():
+    async def scenario():
+        async def sender_still_there():
+            yield "part 0"
+            await asyncio.sleep(60)
+
+        requests = hivemind_fixes.LingeringRequests(sender_still_there())
+        assert await anext(requests) == "part 0"
+        started = time.monotonic()
+        await requests.drain(0.3)
+        elapsed = time.monotonic() - started
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        await asyncio.sleep(0)  # the cancelled read finishes unwinding
+        return elapsed, [task for task in pending if not task.done()]
+
+    elapsed, still_pending = asyncio.run(scenario())
+    assert 0.3 <= elapsed < 2.0, elapsed
+    assert still_pending == []  # the read left waiting on the sender was cancelled, not leaked
