@@ -817,7 +817,6 @@ def test_fixed_averager_shuts_down_in_its_all_reduce_cancelling_the_round():
     assert HIVEMIND_SHUTDOWN_ERROR not in shut_down_in_its_all_reduce("fixed")
 
 
-@pytest.mark.light
 def test_a_read_whose_reader_gave_up_is_not_lost_and_the_drain_reads_to_the_end():
     """hivemind's runner reads a part with a timeout that cancels the read: the part still arrives for the next
     read, and ``drain`` reads the rest to the stream's end instead of closing the stream under it."""
@@ -847,7 +846,6 @@ def test_a_read_whose_reader_gave_up_is_not_lost_and_the_drain_reads_to_the_end(
     assert drain_seconds < 1.0  # it ended with the stream, not at its linger
 
 
-@pytest.mark.light
 def test_replies_come_first_and_the_stream_is_read_to_its_end_before_the_handler_returns():
     async def scenario():
         consumed = []
@@ -869,7 +867,6 @@ def test_replies_come_first_and_the_stream_is_read_to_its_end_before_the_handler
     assert consumed == ["part 0", "part 1", "part 2", "part 3"]
 
 
-@pytest.mark.light
 def test_the_drain_ends_at_its_linger_when_the_sender_neither_writes_nor_closes():
     async def scenario():
         async def sender_still_there():
