@@ -119,13 +119,15 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
         if optimizer is not None:
             # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
             # hivemind's shutdown announces the departure first, and peers would then skip our last round.
-            wait = last_round_wait(timeouts, signals.seconds_left())
+            seconds_left = signals.seconds_left()
+            wait = last_round_wait(timeouts, seconds_left)
             if wait < timeouts.shutdown_averaging_wait:
                 logger.info(
                     "The last step took most of the shutdown deadline: the last background round gets %.1f s of its "
-                    "%.0f s, the teardown and save keep %.0f s",
+                    "%.0f s, the teardown and save %.1f s of their %.0f s",
                     wait,
                     timeouts.shutdown_averaging_wait,
+                    max(0.0, seconds_left - wait),
                     timeouts.save_reserve,
                 )
             finish_delayed_updates(optimizer, timeout=wait)
