@@ -883,5 +883,6 @@ def test_the_drain_ends_at_its_linger_when_the_sender_neither_writes_nor_closes(
         return elapsed, [task for task in pending if not task.done()]
 
     elapsed, still_pending = asyncio.run(scenario())
-    assert 0.3 <= elapsed < 2.0, elapsed
+    # waited its linger, not returned at once; CI's VM ended the loop's 0.3-s timer 0.16 ms early by this clock
+    assert 0.25 <= elapsed < 2.0, elapsed
     assert still_pending == []  # the read left waiting on the sender was cancelled, not leaked

@@ -658,7 +658,7 @@ def test_a_gradient_round_that_outlasts_the_averaging_timeout_is_written_as_roun
             control.allow_allreduce()
             began = time.monotonic()
             optimizer._average_gradients_and_load_into_optimizer(control)
-            assert 1.0 <= time.monotonic() - began < 10.0
+            assert 0.95 <= time.monotonic() - began < 10.0  # timers may end a fraction of a ms early by this clock
             assert [(r["epoch"], r["reason"]) for r in read_events(path, "round_failed")] == [(0, "timeout")]
             control.cancel()
         finally:
