@@ -34,7 +34,8 @@ class Shutdown:
         self.deadline = deadline
         self.signalled: float | None = None  # time.monotonic() of the first stop signal
         self._lock = threading.Lock()
-        self._unsaved_fields: dict | None = None  # the shutdown event's fields while a final save is due
+        self._fields: dict | None = None  # the shutdown event's fields once the program saves a final state
+        self._saved = False  # the final state is on disk: a forced exit from then on exits 0
         self._left = False
 
     def seconds_left(self) -> float | None:
@@ -46,7 +47,13 @@ class Shutdown:
     def expect_final_save(self, **fields) -> None:
         """From now on a forced exit means the final state was not saved; ``fields`` go into its shutdown event."""
         with self._lock:
-            self._unsaved_fields = fields
+            self._fields, self._saved = fields, False
+
+    def final_state_saved(self, **fields) -> None:
+        """The final state is on disk, before the program's teardown: a forced exit from now on exits 0, and its
+        ``shutdown`` event says ``saved`` with ``fields`` added to ``expect_final_save``'s."""
+        with self._lock:
+            self._fields, self._saved = {**(self._fields or {}), **fields}, True
 
     def leave(self, saved: bool, **fields) -> None:
         """The program leaves: write its ``shutdown`` event (``saved`` and ``fields``) unless a forced exit did, and
@@ -56,21 +63,20 @@ class Shutdown:
                 return
             self._left = True
             if saved:
-                self._unsaved_fields = None
+                self._saved = True
             events.emit("shutdown", saved=saved, **fields)
 
     def force_exit(self) -> None:
-        """Exit now: kill the child processes, ``EXIT_NOT_SAVED`` with a ``shutdown`` event saying so if the final
-        save is still due, else 0."""
+        """Exit now: kill the child processes, exit ``EXIT_NOT_SAVED`` if the final save is still due, else 0. Unless
+        the program wrote its own, the ``shutdown`` event says ``forced`` and whether the final state was saved."""
         with self._lock:
-            unsaved = self._unsaved_fields is not None
-            if unsaved and not self._left:
-                events.emit("shutdown", **{**self._unsaved_fields, "saved": False, "forced": True})
-            logger.warning(
-                "Clean shutdown took over %.0f s: exiting now%s",
-                self.deadline,
-                ", without the final state saved" if unsaved else "",
-            )
+            unsaved = self._fields is not None and not self._saved
+            if self._fields is not None and not self._left:
+                events.emit("shutdown", **{**self._fields, "saved": not unsaved, "forced": True})
+            state = ""
+            if self._fields is not None:
+                state = ", without the final state saved" if unsaved else "; the final state was saved before"
+            logger.warning("Clean shutdown took over %.0f s: exiting now%s", self.deadline, state)
             for child in mp.active_children():
                 child.kill()
             os._exit(EXIT_NOT_SAVED if unsaved else 0)
@@ -100,6 +106,11 @@ def seconds_left() -> float | None:
 def expect_final_save(**fields) -> None:
     """See ``Shutdown.expect_final_save``."""
     _shutdown.expect_final_save(**fields)
+
+
+def final_state_saved(**fields) -> None:
+    """See ``Shutdown.final_state_saved``."""
+    _shutdown.final_state_saved(**fields)
 
 
 def leave(saved: bool, **fields) -> None:

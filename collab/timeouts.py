@@ -30,10 +30,11 @@ knows only its own link. Each peer derives its own values; peers of one swarm sh
   (``next_chunk_timeout``, the reducers' twice that) to ``LATE_START_MARGIN`` times the latest start of its recent
   rounds, twice over after a round that dropped a groupmate (``part_timeout``), within the round's time; a round's
   group takes the longest of its members' (``group_part_timeout``), which each gathers at matchmaking.
-- A shutdown: the last background round (``shutdown_averaging_wait``), hivemind's and the DHT's shutdown, then the
-  model written at ``DISK_BYTES_PER_SECOND`` (``shutdown_deadline``, after which the watchdog forces the exit). The
-  wait for the last round is what the deadline leaves once the loop's last step has ended, less the teardown and the
-  save (``save_reserve``, ``last_round_wait``): a step that ran long costs the round, not the saved state.
+- A shutdown: the last background round (``shutdown_averaging_wait``), the model written at
+  ``DISK_BYTES_PER_SECOND``, then hivemind's and the DHT's shutdown (``shutdown_deadline``, after which the watchdog
+  forces the exit). The wait for the last round is what the deadline leaves once the loop's last step has ended,
+  less the save and the teardown (``save_reserve``, ``last_round_wait``): a step that ran long costs the round, then
+  the teardown, not the saved state.
 - The other ranks of a torchrun peer: they wait for rank 0 through its longest step (``rank_wait_timeout``).
 """
 

@@ -15,6 +15,8 @@
   before the manifest, so a test can kill the monitor in the middle of a save.
 - ``pause_model_save@N=S``: the N-th save of the model to ``--output_dir`` by the process stops S seconds before it
   is written, so a test can see a peer's shutdown run out of time before its final save.
+- ``pause_teardown@N=S``: the N-th optimizer of the process stops S seconds before its shutdown (hivemind's goodbye
+  to the swarm), as on a slow DHT, so a test can see the watchdog cut a teardown that comes after the final save.
 
 Each ``@E`` fault fires once. Each fault, as it fires, writes a ``fault_injected`` event (``fault``, and ``epoch``,
 ``folder`` or the drifted ``parameter``) to the program's ``--events_path``: tests read that, not the log. The
@@ -52,6 +54,9 @@ class Faults:
     pause_save_number: int = 0  # which save of the model pauses (1 = the first); 0: none
     pause_save_seconds: float = 0.0
     saves: int = 0
+    pause_teardown_number: int = 0  # which optimizer's shutdown pauses (1 = the first built); 0: none
+    pause_teardown_seconds: float = 0.0
+    optimizers: int = 0
     fired: set[str] = field(default_factory=set)
 
     def fire(self, name: str, epoch: int) -> bool:
@@ -81,6 +86,8 @@ def parse_faults(spec: str) -> Faults:
                 faults.pause_write_number, faults.pause_seconds = int(number), float(seconds)
             elif name == "pause_model_save" and eq:
                 faults.pause_save_number, faults.pause_save_seconds = int(number), float(seconds)
+            elif name == "pause_teardown" and eq:
+                faults.pause_teardown_number, faults.pause_teardown_seconds = int(number), float(seconds)
             else:
                 raise ValueError
         except ValueError:
@@ -126,11 +133,27 @@ def pause_checkpoint_writes(faults: Faults) -> None:
 
 def inject_training_faults(faults: Faults) -> None:
     """Every training run of this process (``trainer.peer.train``) gets the configured faults first; the configured
-    save of the model (``trainer.peer.atomic_directory``) pauses before it is written."""
+    save of the model (``trainer.peer.atomic_directory``) pauses before it is written, and the configured optimizer
+    (``trainer.peer.build_optimizer``) before it shuts down."""
     import trainer.peer
 
     train = trainer.peer.train
     atomic_directory = trainer.peer.atomic_directory
+    build_optimizer = trainer.peer.build_optimizer
+
+    def build_optimizer_pausing_its_shutdown(*args, **kwargs):
+        optimizer = build_optimizer(*args, **kwargs)
+        faults.optimizers += 1
+        if faults.optimizers == faults.pause_teardown_number:
+            shutdown = optimizer.shutdown
+
+            def pause_then_shutdown():
+                injected("pause_teardown", seconds=faults.pause_teardown_seconds)
+                time.sleep(faults.pause_teardown_seconds)
+                shutdown()
+
+            optimizer.shutdown = pause_then_shutdown
+        return optimizer
 
     @contextlib.contextmanager
     def pause_then_atomic_directory(target, *args, **kwargs):
@@ -147,6 +170,7 @@ def inject_training_faults(faults: Faults) -> None:
 
     trainer.peer.train = train_with_faults
     trainer.peer.atomic_directory = pause_then_atomic_directory
+    trainer.peer.build_optimizer = build_optimizer_pausing_its_shutdown
 
 
 def install_training_faults(faults: Faults, model: torch.nn.Module, optimizer, callback) -> None:

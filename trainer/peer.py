@@ -6,6 +6,8 @@ import copy
 import logging
 import threading
 
+import hivemind
+
 from arguments import PeerConfig
 from collab import events, signals
 from collab.callback import CollaborativeCallback, read_resume_point
@@ -13,7 +15,7 @@ from collab.dht import joined_fields, start_dht
 from collab.optim import build_optimizer, collaboration_timeouts, finish_delayed_updates, start_state_prefetch
 from collab.schema import make_validators
 from collab.storage import atomic_directory
-from collab.timeouts import last_round_wait
+from collab.timeouts import Timeouts, last_round_wait
 from trainer import ranks
 from trainer.data import batch_stream, peer_data_seed
 from trainer.loop import TrainingSummary, autocast_dtype, flush_denormals, train
@@ -76,6 +78,7 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
     dht = start_dht(config.peer, validators)
     events.emit("joined", **joined_fields(dht, config.peer.client_mode))
     optimizer = prefetch = None
+    rounds_finished = False
     try:
         timeouts = collaboration_timeouts(model, config.optimizer, config.averager)
         signals.set_shutdown_deadline(timeouts.shutdown_deadline)
@@ -113,30 +116,23 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
             pin_memory=device.type == "cuda",
         )
         summary = train(model, optimizer, callback, batches, config.training, device, stop, amp_dtype, sharded_model)
+        rounds_finished = True
+        finish_last_rounds(optimizer, timeouts)
+        # The save comes before the teardown: a step that ran into the shutdown deadline then cuts the goodbyes
+        # to the swarm (which notices a peer gone), not the volunteer's model.
+        with atomic_directory(config.training.output_dir) as folder:
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        signals.final_state_saved(epoch=summary.end_epoch)
     finally:
         if prefetch is not None:
             prefetch.cancel()  # a download the peer stopped before taking
         if optimizer is not None:
-            # Finish the rounds still running in the background (delayed averaging) before saying goodbye:
-            # hivemind's shutdown announces the departure first, and peers would then skip our last round.
-            seconds_left = signals.seconds_left()
-            wait = last_round_wait(timeouts, seconds_left)
-            if wait < timeouts.shutdown_averaging_wait:
-                logger.info(
-                    "The last step took most of the shutdown deadline: the last background round gets %.1f s of its "
-                    "%.0f s, the teardown and save %.1f s of their %.0f s",
-                    wait,
-                    timeouts.shutdown_averaging_wait,
-                    max(0.0, seconds_left - wait),
-                    timeouts.save_reserve,
-                )
-            finish_delayed_updates(optimizer, timeout=wait)
+            if not rounds_finished:  # an error: the groupmates of the last rounds still get this peer's parts
+                finish_last_rounds(optimizer, timeouts)
             optimizer.shutdown()
         dht.shutdown()
 
-    with atomic_directory(config.training.output_dir) as folder:
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
     logger.info(
         "Stopped at global epoch %d (started at %d); loss %s -> %s; model saved to %s",
         summary.end_epoch,
@@ -146,6 +142,24 @@ def _train_and_save(config: PeerConfig, stop: threading.Event) -> TrainingSummar
         config.training.output_dir,
     )
     return summary
+
+
+def finish_last_rounds(optimizer: hivemind.Optimizer, timeouts: Timeouts) -> None:
+    """Finish the rounds still running in the background (delayed averaging) before saying goodbye: hivemind's
+    shutdown announces the departure first, and peers would then skip our last round. After a stop signal they get
+    what the shutdown deadline leaves after ``timeouts.save_reserve``."""
+    seconds_left = signals.seconds_left()
+    wait = last_round_wait(timeouts, seconds_left)
+    if wait < timeouts.shutdown_averaging_wait:
+        logger.info(
+            "The last step took most of the shutdown deadline: the last background round gets %.1f s of its "
+            "%.0f s, the save and teardown %.1f s of their %.0f s",
+            wait,
+            timeouts.shutdown_averaging_wait,
+            max(0.0, seconds_left - wait),
+            timeouts.save_reserve,
+        )
+    finish_delayed_updates(optimizer, timeout=wait)
 
 
 def _fmt(value) -> str:

@@ -46,6 +46,16 @@ def test_a_forced_exit_after_the_final_save_exits_0_with_the_program_s_own_event
     assert [(r["saved"], r.get("forced"), r["epoch"]) for r in shutdown] == [(True, None, 7)]
 
 
+def test_a_forced_exit_in_the_teardown_after_the_save_exits_0_and_says_saved_and_forced(tmp_path):
+    steps = """
+    shutdown.expect_final_save(epoch=None, folder="out")
+    shutdown.final_state_saved(epoch=7)
+    """
+    code, shutdown = forced_exit(tmp_path, steps)
+    assert code == 0
+    assert [(r["saved"], r["forced"], r["epoch"], r["folder"]) for r in shutdown] == [(True, True, 7, "out")]
+
+
 def test_a_program_that_failed_before_its_save_and_then_hung_still_exits_non_zero_with_one_event(tmp_path):
     steps = """
     shutdown.expect_final_save(epoch=None, folder="out")
