@@ -153,7 +153,7 @@ def finish_last_rounds(optimizer: hivemind.Optimizer, timeouts: Timeouts) -> Non
     if wait < timeouts.shutdown_averaging_wait:
         logger.info(
             "The last step took most of the shutdown deadline: the last background round gets %.1f s of its "
-            "%.0f s, the save and teardown %.1f s of their %.0f s",
+            "%.1f s, the save and teardown %.1f s of their %.1f s",
             wait,
             timeouts.shutdown_averaging_wait,
             max(0.0, seconds_left - wait),
