@@ -34,7 +34,7 @@ class Shutdown:
         self.deadline = deadline
         self.signalled: float | None = None  # time.monotonic() of the first stop signal
         self._lock = threading.Lock()
-        self._fields: dict | None = None  # the shutdown event's fields once the program saves a final state
+        self._fields: dict | None = None  # the shutdown event's fields in a program that saves a final state
         self._saved = False  # the final state is on disk: a forced exit from then on exits 0
         self._left = False
 

@@ -21,8 +21,8 @@
 Each ``@E`` fault fires once. Each fault, as it fires, writes a ``fault_injected`` event (``fault``, and ``epoch``,
 ``folder`` or the drifted ``parameter``) to the program's ``--events_path``: tests read that, not the log. The
 production code knows nothing of them: the wrappers patch names in their own
-process (``trainer.peer.train``, ``trainer.peer.atomic_directory``, ``collab.checkpoint.stage_checkpoint_files``),
-then call the real ``main(argv)``.
+process (``trainer.peer.train``, ``trainer.peer.atomic_directory``, ``trainer.peer.build_optimizer``,
+``collab.checkpoint.stage_checkpoint_files``), then call the real ``main(argv)``.
 """
 
 from __future__ import annotations
