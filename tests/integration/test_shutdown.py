@@ -20,11 +20,12 @@ TEARDOWN_PAUSE = ["--faults", "pause_teardown@1=600"]  # hivemind's shutdown wai
 TEARDOWN_DEADLINE = 10.0  # --shutdown_timeout: the step in progress and the save of a tiny model, with room
 
 
-def test_a_peer_whose_final_save_cannot_finish_in_time_exits_non_zero_and_says_it_did_not_save(tmp_path, sample_data):
-    out = tmp_path / "out"
+def stopped_by_sigterm(tmp_path, faults: list[str], prefix: str, deadline: float) -> tuple[PeerProcess, int, float]:
+    """A lone faulty peer (tests/faulty_peer.py) with ``--shutdown_timeout deadline``, sent SIGTERM once it trains:
+    the peer, its exit code and the seconds from the signal to its exit. Its --output_dir is ``tmp_path / "out"``."""
     peer = PeerProcess(
-        [*SAVE_PAUSE, "--experiment_prefix", f"unsaved{int(time.time())}", "--target_batch_size", "100000"]
-        + ["--shutdown_timeout", str(DEADLINE), "--output_dir", str(out)],
+        [*faults, "--experiment_prefix", f"{prefix}{int(time.time())}", "--target_batch_size", "100000"]
+        + ["--shutdown_timeout", str(deadline), "--output_dir", str(tmp_path / "out")],
         tmp_path / "peer.log",
         script="tests/faulty_peer.py",
     )
@@ -33,10 +34,15 @@ def test_a_peer_whose_final_save_cannot_finish_in_time_exits_non_zero_and_says_i
         assert peer.process.poll() is None, f"the peer exited before training; see {peer.log_path}"
         peer.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        code = peer.wait(timeout=DEADLINE + EXIT_BOUND)
-        waited = time.monotonic() - signalled
+        code = peer.wait(timeout=deadline + EXIT_BOUND)
+        return peer, code, time.monotonic() - signalled
     finally:
         peer.stop()
+
+
+def test_a_peer_whose_final_save_cannot_finish_in_time_exits_non_zero_and_says_it_did_not_save(tmp_path, sample_data):
+    out = tmp_path / "out"
+    peer, code, waited = stopped_by_sigterm(tmp_path, SAVE_PAUSE, "unsaved", DEADLINE)
     assert code == EXIT_NOT_SAVED
     assert waited >= DEADLINE, "the forced exit came before the shutdown deadline"
     assert f"shutdown deadline {DEADLINE:.0f} s" in peer.log(), "the start-up line does not give the deadline used"
@@ -50,21 +56,7 @@ def test_a_teardown_cut_by_the_watchdog_after_the_save_exits_0_and_says_the_mode
     """The model is saved before hivemind's and the DHT's shutdown (the goodbye to the swarm): a last step that ran
     into the deadline, or a slow DHT, costs that teardown, not the volunteer's model. Here the teardown hangs."""
     out = tmp_path / "out"
-    peer = PeerProcess(
-        [*TEARDOWN_PAUSE, "--experiment_prefix", f"teardown{int(time.time())}", "--target_batch_size", "100000"]
-        + ["--shutdown_timeout", str(TEARDOWN_DEADLINE), "--output_dir", str(out)],
-        tmp_path / "peer.log",
-        script="tests/faulty_peer.py",
-    )
-    try:
-        wait_until(lambda: peer.events("started") or peer.process.poll() is not None, 120, "the peer to start")
-        assert peer.process.poll() is None, f"the peer exited before training; see {peer.log_path}"
-        peer.process.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        code = peer.wait(timeout=TEARDOWN_DEADLINE + EXIT_BOUND)
-        waited = time.monotonic() - signalled
-    finally:
-        peer.stop()
+    peer, code, waited = stopped_by_sigterm(tmp_path, TEARDOWN_PAUSE, "teardown", TEARDOWN_DEADLINE)
     assert [record["fault"] for record in peer.events("fault_injected")] == ["pause_teardown"]
     assert code == 0, f"exit {code}; see {peer.log_path}"
     assert waited >= TEARDOWN_DEADLINE, "the teardown's pause did not last to the forced exit"
